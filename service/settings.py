@@ -1,0 +1,74 @@
+"""Service settings (pydantic-settings). Every field reads a ``MESHRUN_<FIELD>`` environment variable.
+
+With nothing set meshrun runs on embedded defaults: a SQLite file under the data directory and a local Ray
+head that the service starts, owns and stops.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MESHRUN_", env_file=None, extra="ignore")
+
+    data_dir: Path = Field(Path.home() / ".meshrun", description="SQLite file, checkpoints, Ray temp files.")
+    database_url: str | None = Field(None, description="SQLAlchemy URL; default sqlite:///<data_dir>/meshrun.db")
+    ray_address: str | None = Field(None, description="Existing Ray cluster (e.g. ray://head:10001 or "
+                                                      "head:6380); unset = start and own a local head.")
+    ray_dashboard_url: str | None = Field(None, description="Dashboard URL of an existing cluster "
+                                                            "(default http://<head>:8265).")
+    ray_gcs_port: int = Field(6389, ge=1, le=65535, description="GCS port of the local head (not 6379).")
+    ray_dashboard_port: int = Field(8265, ge=1, le=65535)
+    ray_num_cpus: int | None = Field(None, ge=1, description="CPUs of the local head (default: all).")
+    ray_metrics_export_port: int = Field(8090, ge=1, le=65535)
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    public_url: str | None = Field(None, description="URL the Ray Job drivers use to reach this service.")
+    auth: Literal["auto", "on", "off"] = Field(
+        "auto", description="auto = on unless the service listens on loopback only.")
+    checkpoint_root: Path | None = Field(None, description="Default checkpoint storage (default <data_dir>/checkpoints).")
+    scheduler_interval_s: float = Field(1.0, gt=0, le=60)
+    max_request_bytes: int = Field(1_048_576, ge=1024)
+    rate_limit_per_minute: int = Field(1200, ge=0, description="Requests per token per minute; 0 disables.")
+    log_json: bool = False
+    log_level: str = "INFO"
+    start_scheduler: bool = Field(True, description="Run admission/reconcile loops in the API process.")
+
+    @field_validator("database_url")
+    @classmethod
+    def _check_url(cls, v: str | None) -> str | None:
+        if v is not None and "://" not in v:
+            raise ValueError("MESHRUN_DATABASE_URL must be a SQLAlchemy URL such as "
+                             "sqlite:///path/meshrun.db or postgresql+psycopg://user@host/db")
+        return v
+
+    @model_validator(mode="after")
+    def _defaults(self) -> "Settings":
+        if self.database_url is None:
+            self.database_url = f"sqlite:///{self.data_dir / 'meshrun.db'}"
+        if self.checkpoint_root is None:
+            self.checkpoint_root = self.data_dir / "checkpoints"
+        if self.database_url.startswith("postgresql://"):
+            self.database_url = "postgresql+psycopg://" + self.database_url[len("postgresql://"):]
+        return self
+
+    @property
+    def auth_enabled(self) -> bool:
+        if self.auth == "auto":
+            return self.host not in ("127.0.0.1", "localhost", "::1")
+        return self.auth == "on"
+
+    @property
+    def embedded_ray(self) -> bool:
+        return not self.ray_address
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()
