@@ -113,10 +113,11 @@ def check_spec(spec: RunSpec) -> SpecCheck:
                   "too_large")
 
     if not custom:
-        if cfg.d_model % cfg.n_heads:
+        attention = cfg.name == "gpt"  # the MLP token model has no heads to split
+        if attention and cfg.d_model % cfg.n_heads:
             chk.error("model.n_heads", f"n_heads={cfg.n_heads} does not divide d_model={cfg.d_model}; "
                       f"use n_heads in {_divisors(cfg.d_model)[:12]}")
-        if cfg.n_heads % lay.tp:
+        if attention and cfg.n_heads % lay.tp:
             ok = [d for d in _divisors(cfg.n_heads) if d <= 64]
             chk.error("layout.tp", f"tp={lay.tp} does not divide {cfg.n_heads} attention heads; use tp in {ok}")
         elif cfg.d_ff % lay.tp:

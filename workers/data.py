@@ -1,0 +1,215 @@
+"""Training data: the global batch of step k is a pure function of (seed, k), whatever the layout.
+
+Sample j of the run (j = k * G + i for step k, global batch G) is window ``perm_e[j mod N]`` of epoch
+``e = j // N`` where ``perm_e`` is a permutation seeded by (seed, e) (synthetic data: sample j is generated
+from (seed, j)). Data-parallel rank r takes the contiguous slice ``[r G/dp, (r+1) G/dp)`` of the global
+batch; ranks of one TP group (and pipeline stages) get the same slice; micro-batches are consecutive slices
+of the rank's share. So the mean loss over the global batch is layout-invariant, and a resume at step k
+with any layout replays exactly (the position is the step; ``state_dict`` records it for checkpoints).
+
+Sources:
+- ``synthetic``: arithmetic sequences ``(a + b t) mod V`` with random a, b per sample (learnable).
+- ``text``: byte-level tokens of the files under ``data.path`` (a file or a directory, sorted); without a
+  path, the Python standard library's ``.py`` files (``sysconfig.get_paths()["stdlib"]``), capped at 4 MB.
+- ``tokens``: a directory of ``.bin`` token files (``data.args.dtype``: uint16 (default) or uint32), memmapped.
+- ``custom``: ``data.entrypoint`` returns a map-style dataset; item j is a LongTensor of seq_len + 1 tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import sysconfig
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from api.schemas import DataSpec
+
+log = logging.getLogger(__name__)
+
+BUILTIN_CORPUS_BYTES = 4 * 1024 * 1024
+
+
+def _seed(*parts: int) -> int:
+    h = 0x9E3779B97F4A7C15
+    for p in parts:
+        h = (h ^ (int(p) + 0x9E3779B97F4A7C15 + (h << 6) + (h >> 2))) & 0x7FFF_FFFF_FFFF_FFFF
+    return h
+
+
+class WindowSource:
+    """N non-overlapping windows of seq_len + 1 tokens over one or more 1-D token arrays."""
+
+    def __init__(self, arrays: Sequence[np.ndarray], seq_len: int, vocab_size: int, name: str):
+        self.arrays = [a for a in arrays if len(a) >= seq_len + 1]
+        self.seq_len, self.vocab_size, self.name = seq_len, vocab_size, name
+        counts = [(len(a) - 1) // seq_len for a in self.arrays]
+        self.offsets = np.cumsum([0] + counts)
+        if self.offsets[-1] == 0:
+            raise ValueError(f"data ({name}) holds fewer than seq_len + 1 = {seq_len + 1} tokens; give more data "
+                             "or a shorter model.seq_len")
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        f = int(np.searchsorted(self.offsets, i, side="right") - 1)
+        start = (i - int(self.offsets[f])) * self.seq_len
+        w = np.asarray(self.arrays[f][start:start + self.seq_len + 1], dtype=np.int64)
+        t = torch.from_numpy(w)
+        return t % self.vocab_size if int(t.max()) >= self.vocab_size else t
+
+
+class SyntheticSource:
+    """Infinite: sample j = (a + b t) mod V, a and b drawn from a generator seeded by (seed, j)."""
+
+    name = "synthetic"
+
+    def __init__(self, seq_len: int, vocab_size: int, seed: int):
+        self.seq_len, self.vocab_size, self.seed = seq_len, vocab_size, seed
+
+    def __len__(self) -> int:
+        return 2**62
+
+    def sample(self, j: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(_seed(self.seed, j))
+        a = int(torch.randint(0, self.vocab_size, (1,), generator=g))
+        b = int(torch.randint(1, 8, (1,), generator=g))
+        return (a + b * torch.arange(self.seq_len + 1, dtype=torch.int64)) % self.vocab_size
+
+
+def _read_files(paths: list[Path], cap_bytes: int | None) -> np.ndarray:
+    chunks, total = [], 0
+    for p in paths:
+        try:
+            b = p.read_bytes()
+        except OSError:
+            continue
+        if cap_bytes is not None and total + len(b) > cap_bytes:
+            b = b[: cap_bytes - total]
+        chunks.append(np.frombuffer(b, dtype=np.uint8))
+        total += len(b)
+        if cap_bytes is not None and total >= cap_bytes:
+            break
+    return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint8)
+
+
+def builtin_corpus_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+
+
+def make_source(data: DataSpec, *, seq_len: int, vocab_size: int, seed: int):
+    if data.source == "synthetic":
+        return SyntheticSource(seq_len, vocab_size, seed)
+    if data.source == "text":
+        if data.path:
+            root = Path(data.path).expanduser()
+            if not root.exists():
+                raise FileNotFoundError(f"data.path {root} does not exist; give a text file or directory")
+            files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+            arr = _read_files(files, None)
+        else:
+            arr = _read_files(builtin_corpus_files(), BUILTIN_CORPUS_BYTES)
+        return WindowSource([arr], seq_len, vocab_size, f"text:{data.path or 'stdlib'}")
+    if data.source == "tokens":
+        if not data.path:
+            raise ValueError("data.source 'tokens' needs data.path: a directory of .bin token files")
+        dtype = np.dtype(data.args.get("dtype", "uint16"))
+        if dtype not in (np.uint16, np.uint32):
+            raise ValueError("data.args.dtype must be uint16 or uint32")
+        root = Path(data.path).expanduser()
+        files = [root] if root.is_file() else sorted(root.glob("*.bin"))
+        if not files:
+            raise FileNotFoundError(f"no .bin token files under data.path {root}")
+        arrays = [np.memmap(f, dtype=dtype, mode="r") for f in files]
+        return WindowSource(arrays, seq_len, vocab_size, f"tokens:{root}")
+    if data.source == "custom":
+        from workers.models import load_entrypoint
+        if not data.entrypoint:
+            raise ValueError("data.source 'custom' needs data.entrypoint 'package.module:function'")
+        return load_entrypoint(data.entrypoint)(**data.args)
+    raise ValueError(f"unknown data.source {data.source!r}")
+
+
+class StepBatches:
+    """Deterministic per-step batches for one data-parallel rank (DistributedSampler-like).
+
+    ``batch(step)`` -> (inputs, targets) of shape (G/dp, T) for 0-based ``step``; ``micro_batches(step)``
+    splits them into (micro_batch_size, T) slices. ``epoch`` / ``set_epoch`` follow the sample position.
+    """
+
+    def __init__(self, source: Any, *, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+                 seed: int):
+        if global_batch_size % (dp_size * micro_batch_size):
+            raise ValueError(f"global_batch_size={global_batch_size} is not a multiple of dp x micro_batch_size "
+                             f"= {dp_size} x {micro_batch_size}")
+        self.source, self.seed = source, seed
+        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.per_rank = global_batch_size // dp_size
+        self.step = 0  # next step to produce (0-based)
+        self._perm_cache: dict[int, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ sampler semantics
+    @property
+    def num_samples(self) -> int:
+        return len(self.source)
+
+    @property
+    def epoch(self) -> int:
+        return (self.step * self.global_batch_size) // self.num_samples
+
+    def set_epoch(self, epoch: int) -> None:
+        """Jump to the first step of ``epoch`` (rounded down to a step boundary)."""
+        self.step = epoch * self.num_samples // self.global_batch_size
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "seed": self.seed, "global_batch_size": self.global_batch_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+
+    # ------------------------------------------------------------------ batches
+    def _perm(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._perm_cache:
+            g = torch.Generator().manual_seed(_seed(self.seed, 7919, epoch))
+            self._perm_cache = {epoch: torch.randperm(self.num_samples, generator=g)}
+        return self._perm_cache[epoch]
+
+    def sample(self, j: int) -> torch.Tensor:
+        if isinstance(self.source, SyntheticSource):
+            return self.source.sample(j)
+        n = self.num_samples
+        item = self.source[int(self._perm(j // n)[j % n])]
+        return torch.as_tensor(item, dtype=torch.int64)
+
+    def global_indices(self, step: int) -> range:
+        return range(step * self.global_batch_size, (step + 1) * self.global_batch_size)
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = step * self.global_batch_size + self.dp_rank * self.per_rank
+        seqs = torch.stack([self.sample(j) for j in range(start, start + self.per_rank)])  # (G/dp, T+1)
+        return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+
+    def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        x, y = self.batch(step)
+        mb = self.micro_batch_size
+        return [(x[i:i + mb], y[i:i + mb]) for i in range(0, self.per_rank, mb)]
+
+    def __iter__(self):
+        while True:
+            out = self.micro_batches(self.step)
+            self.step += 1
+            yield out
+
+
+def build_batches(data: DataSpec, *, seq_len: int, vocab_size: int, seed: int, global_batch_size: int,
+                  micro_batch_size: int, dp_rank: int, dp_size: int) -> StepBatches:
+    src = make_source(data, seq_len=seq_len, vocab_size=vocab_size, seed=seed)
+    log.info("data %s: %s samples", getattr(src, "name", type(src).__name__),
+             "inf" if isinstance(src, SyntheticSource) else len(src))
+    return StepBatches(src, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
+                       dp_rank=dp_rank, dp_size=dp_size, seed=seed)

@@ -1,0 +1,211 @@
+"""GPT-2 shaped decoder (nanoGPT style, torchtitan-friendly names).
+
+Shapes: B batch, T tokens, h d_model, f d_ff, V vocab, s max positions, H heads, d = h / H.
+
+- ``tok_emb`` Embedding(V, h) + ``pos_emb`` Embedding(s, h)
+- ``layers``: ModuleDict "0".."L-1" of ``Block``: x + attn(ln_1(x)); x + mlp(ln_2(x))
+  - attn: ``wq, wk, wv`` Linear(h, h, bias) (column-parallel), causal SDPA, ``wo`` Linear(h, h, bias)
+  - mlp: ``w1`` Linear(h, f, bias), GELU, ``w2`` Linear(f, h, bias)
+- ``norm`` LayerNorm(h), ``output`` Linear(h, V, bias=False) (untied, no dropout)
+
+The parameter count equals ``api.presets.gpt_param_count`` exactly (tested).
+
+Pipeline parallel: a stage-local copy sets ``tok_emb``/``pos_emb`` to None (the input is already a hidden
+state ``(B, T, h)``) and/or ``norm``/``output`` to None (the hidden state is returned), and keeps only its
+``layers`` keys (see ``split_for_pipeline``). Attention views use LOCAL heads (``view(B, T, -1, d)``) so the
+same code runs under tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.head_dim = d_model // n_heads
+        self.wq = nn.Linear(d_model, d_model, bias=True)
+        self.wk = nn.Linear(d_model, d_model, bias=True)
+        self.wv = nn.Linear(d_model, d_model, bias=True)
+        self.wo = nn.Linear(d_model, d_model, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape  # global (B, T, h) even when x is a DTensor under sequence parallel
+        # (B, T, H_local, d) -> (B, H_local, T, d); H_local = H / tp under tensor parallel
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H_local, T, d)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, h_local)
+        return self.wo(y)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, d_ff, bias=True)
+        self.w2 = nn.Linear(d_ff, d_model, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, d_ff: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d_model)
+        self.attn = Attention(d_model, n_heads)
+        self.ln_2 = nn.LayerNorm(d_model)
+        self.mlp = FeedForward(d_model, d_ff)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    block_class = Block
+
+    def __init__(self, *, n_layers: int, d_model: int, n_heads: int, vocab_size: int, seq_len: int,
+                 d_ff: int | None = None):
+        super().__init__()
+        self.n_layers, self.d_model, self.n_heads = n_layers, d_model, n_heads
+        self.vocab_size, self.seq_len, self.d_ff = vocab_size, seq_len, d_ff or 4 * d_model
+        self.tok_emb: nn.Embedding | None = nn.Embedding(vocab_size, d_model)
+        self.pos_emb: nn.Embedding | None = nn.Embedding(seq_len, d_model)
+        self.layers = nn.ModuleDict({str(i): Block(d_model, n_heads, self.d_ff) for i in range(n_layers)})
+        self.norm: nn.LayerNorm | None = nn.LayerNorm(d_model)
+        self.output: nn.Linear | None = nn.Linear(d_model, vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B, T) int64 -> logits (B, T, V); or hidden (B, T, h) in/out for pipeline stages."""
+        if self.tok_emb is not None:
+            T = tokens.shape[1]
+            pos = torch.arange(T, device=tokens.device).unsqueeze(0)  # (1, T)
+            x = self.tok_emb(tokens) + self.pos_emb(pos)  # (B, T, h) (or a T/tp shard under SP)
+        else:
+            x = tokens
+        for block in self.layers.values():
+            x = block(x)
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.output is not None:
+            x = self.output(x)
+        return x
+
+    # ---------------------------------------------------------------------------------- parallel plans
+    def tp_plan(self, *, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict:
+        """Module-name pattern -> ParallelStyle (Megatron layout; torchtitan's llama plan with pos_emb).
+
+        Without SP the residual stream is replicated (plain tensors); with SP it is a plain local shard
+        ``(B, T/tp, h)`` between modules, gathered before attention/MLP and reduce-scattered after.
+        ``loss_parallel`` leaves logits as a vocab-sharded DTensor (use ``loss_parallel()`` around the loss).
+        """
+        return _transformer_tp_plan(self, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                                    attention=True)
+
+    def stage_layer_keys(self, n_stages: int) -> list[list[str]]:
+        return stage_layer_keys(list(self.layers.keys()), n_stages)
+
+    def split_for_pipeline(self, stage_idx: int, n_stages: int) -> "GPT":
+        return split_for_pipeline(self, stage_idx, n_stages, first=("tok_emb", "pos_emb"),
+                                  last=("norm", "output"))
+
+    def flops_per_token(self) -> float:
+        """Model FLOPs per trained token (fwd+bwd, GEMMs; Megatron/Korthikanti eq. 7 divided by B s)."""
+        # 72 L h^2 + 12 L s h + 6 V h for d_ff = 4h (Megatron); the MLP term generalised to any d_ff
+        L, h, s, V, f = self.n_layers, self.d_model, self.seq_len, self.vocab_size, self.d_ff
+        return 6.0 * L * (4 * h * h + 2 * h * f) + 12.0 * L * s * h + 6.0 * V * h
+
+
+# --------------------------------------------------------------------------------------- shared helpers
+def _transformer_tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool,
+                         attention: bool) -> dict:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    sp = sequence_parallel
+    plan: dict = {}
+    if getattr(model, "tok_emb", None) is not None:
+        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())
+        if sp and getattr(model, "pos_emb", None) is not None:
+            # positions (1, T) -> (1, T, h) reduce-scattered along T: matches the token-embedding shard
+            plan["pos_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if getattr(model, "output", None) is not None:
+        if sp and getattr(model, "norm", None) is not None:
+            plan["norm"] = SequenceParallel()
+        plan["output"] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
+                                         output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                         use_local_output=not loss_parallel)
+    for key in model.layers.keys():
+        p = f"layers.{key}."
+        if attention:
+            if sp:
+                plan[p + "ln_1"] = SequenceParallel()
+                plan[p + "attn"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            for w in ("wq", "wk", "wv"):
+                plan[p + f"attn.{w}"] = ColwiseParallel()
+            plan[p + "attn.wo"] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
+            if sp:
+                plan[p + "ln_2"] = SequenceParallel()
+                plan[p + "mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            plan[p + "mlp.w1"] = ColwiseParallel()
+            plan[p + "mlp.w2"] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
+        else:
+            if sp:
+                plan[p + "ln"] = SequenceParallel()
+                plan[p + "w1"] = ColwiseParallel(input_layouts=Shard(1))
+            else:
+                plan[p + "w1"] = ColwiseParallel()
+            plan[p + "w2"] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
+    return plan
+
+
+def stage_layer_keys(keys: list[str], n_stages: int) -> list[list[str]]:
+    """Contiguous, balanced split of the block keys into ``n_stages`` stages (earlier stages get the extra).
+
+    The first stage also holds the embeddings and the last the final norm and head.
+    """
+    if n_stages < 1 or n_stages > len(keys):
+        raise ValueError(f"cannot split {len(keys)} layers into {n_stages} pipeline stages; "
+                         f"use 1 <= stages <= {len(keys)}")
+    q, r = divmod(len(keys), n_stages)
+    out, i = [], 0
+    for s in range(n_stages):
+        n = q + (1 if s < r else 0)
+        out.append(keys[i:i + n])
+        i += n
+    return out
+
+
+def split_for_pipeline(model: nn.Module, stage_idx: int, n_stages: int, *, first: tuple[str, ...],
+                       last: tuple[str, ...]) -> nn.Module:
+    """A deep copy of ``model`` holding only stage ``stage_idx``'s modules (works on the meta device).
+
+    Parameter names are unchanged (``layers.3.attn.wq.weight`` stays), so checkpoints of any split load
+    into any other split.
+    """
+    keep = set(stage_layer_keys(list(model.layers.keys()), n_stages)[stage_idx])
+    part = copy.deepcopy(model)
+    for k in list(part.layers.keys()):
+        if k not in keep:
+            del part.layers[k]
+    if stage_idx != 0:
+        for name in first:
+            setattr(part, name, None)
+    if stage_idx != n_stages - 1:
+        for name in last:
+            setattr(part, name, None)
+    return part
+
+
+def residual_std(model: nn.Module) -> float:
+    n_layers = getattr(model, "n_layers", 1)
+    return 0.02 / math.sqrt(2 * n_layers)

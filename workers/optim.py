@@ -1,0 +1,58 @@
+"""AdamW (or ZeRO-1 sharded AdamW) over all model parts, and the warmup + decay LR schedule."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from torch import nn
+
+from api.schemas import Plan, RunSpec
+
+log = logging.getLogger(__name__)
+
+
+def param_groups(model_parts: list[nn.Module], weight_decay: float) -> list[dict]:
+    """nanoGPT rule: decay every >= 2-D parameter (matrices, embeddings), not biases or norms."""
+    decay, no_decay = [], []
+    for part in model_parts:
+        for p in part.parameters():
+            if p.requires_grad:
+                (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model_parts: list[nn.Module], spec: RunSpec, plan: Plan, *, dp_group=None) -> torch.optim.Optimizer:
+    """One optimizer over every part's parameters. zero_stage 1: ``ZeroRedundancyOptimizer`` over dp."""
+    o = spec.optimizer
+    groups = param_groups(model_parts, o.weight_decay)
+    kw = dict(lr=o.lr, betas=tuple(o.betas), eps=1e-8)
+    if plan.zero_stage == 1 and plan.dp > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW, process_group=dp_group,
+                                      parameters_as_bucket_view=False, weight_decay=o.weight_decay, **kw)
+        if groups[1]["params"]:
+            opt.add_param_group({"params": groups[1]["params"], "weight_decay": 0.0})
+        return opt
+    return torch.optim.AdamW(groups, **kw)
+
+
+def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:
+    """LR multiplier for 0-based optimizer ``step``: linear warmup to 1, then cosine/linear decay to
+    ``min_lr_ratio`` at ``total_steps`` (or constant)."""
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if schedule == "linear":
+        return 1.0 - (1.0 - min_lr_ratio) * progress
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, spec: RunSpec) -> torch.optim.lr_scheduler.LambdaLR:
+    o = spec.optimizer
+    fn = lambda s: lr_factor(s, warmup_steps=o.warmup_steps, total_steps=spec.train.steps,  # noqa: E731
+                             schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
