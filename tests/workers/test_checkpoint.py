@@ -1,0 +1,204 @@
+"""Checkpoints (DCP): exact resume, reshard on load, per-rank directories, ZeRO-1, pipeline parts, pruning.
+
+Multi-process cases run the whole engine (``workers.loop.train`` with ``checkpoint_dir`` /
+``resume_from``); the no-process-group and per-rank-directory cases use the harness's small engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from workers.checkpoint import (
+    META_FILE,
+    checkpoint_path,
+    checkpoint_size_bytes,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    prune_checkpoints,
+    read_checkpoint_meta,
+    save_checkpoint,
+)
+
+from .test_pipeline_harness import TINY, loop_world, make_spec, run_world, train_local
+
+TOL = 1e-5
+
+
+def _keys(path) -> set[str]:
+    import torch.distributed.checkpoint as dcp
+
+    return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+# ------------------------------------------------------------------------------------------ fast
+def test_single_process_resume_is_exact_without_a_process_group(tmp_path):
+    spec = make_spec()
+    full = train_local(spec)
+    ck = tmp_path / "ck"
+    saved = train_local(spec, save_at=2, ckpt=str(ck))
+    assert saved["losses"] == full["losses"]
+
+    files = {p.name for p in ck.iterdir()}
+    assert {".metadata", META_FILE, "__0_0.distcp"} <= files
+    meta = read_checkpoint_meta(ck)
+    assert meta["step"] == 2 and meta["world_size"] == 1
+    assert meta["plan"]["model"]["n_layers"] == 2 and meta["spec"]["layout"]["dp"] == 1
+    keys = _keys(ck)
+    assert "model.layers.1.attn.wq.weight" in keys and "model.tok_emb.weight" in keys
+    assert any(k.startswith("optim.state.layers.0.") and k.endswith("exp_avg") for k in keys)
+    assert checkpoint_size_bytes(ck) == sum(p.stat().st_size for p in ck.iterdir())
+
+    resumed = train_local(spec, resume=str(ck))
+    assert resumed["start"] == 2
+    assert resumed["losses"] == full["losses"][2:]  # bitwise: model, AdamW moments and LR schedule restored
+    assert resumed["extra"] == {"rank": 0, "next_step": 3}
+    assert resumed["rng_after_load"] == saved["rng_after_save"]
+    assert resumed["plan"]["global_batch_size"] == 8
+
+
+def test_load_refuses_an_incomplete_checkpoint(tmp_path):
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / ".metadata").write_bytes(b"x")
+    with pytest.raises(FileNotFoundError, match="not a complete meshrun checkpoint"):
+        load_checkpoint(tmp_path / "half", model_parts=[torch.nn.Linear(2, 2)], optimizers=[], schedulers=[])
+
+
+def _tiny_gpt(n_layers: int):
+    from api.schemas import RunSpec
+    from api.validation import build_plan
+    from workers.models import build_model, materialize
+
+    plan = build_plan(RunSpec.model_validate(make_spec(model=dict(TINY, n_layers=n_layers))), device="cpu")
+    return materialize(build_model(plan.model), device="cpu", seed=3)
+
+
+def test_weights_only_checkpoint_loads_with_a_fresh_optimizer_and_other_models_are_refused(tmp_path):
+    src = _tiny_gpt(2)
+    save_checkpoint(tmp_path / "w", model_parts=[src], optimizers=[], schedulers=[], step=5, extra={"a": 1})
+    dst = _tiny_gpt(2)
+    torch.nn.init.zeros_(dst.output.weight)
+    opt = torch.optim.AdamW(dst.parameters(), lr=1e-3)
+    info = load_checkpoint(tmp_path / "w", model_parts=[dst], optimizers=[opt], schedulers=[])
+    assert info["step"] == 5 and info["extra"] == {"a": 1}
+    torch.testing.assert_close(dst.state_dict(), src.state_dict(), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="does not hold .* tensors of this model"):
+        load_checkpoint(tmp_path / "w", model_parts=[_tiny_gpt(3)], optimizers=[], schedulers=[])
+
+
+def test_prune_keeps_the_newest_complete_checkpoints(tmp_path):
+    for step in (2, 4, 6, 8):
+        d = checkpoint_path(tmp_path, step)
+        d.mkdir()
+        (d / "__0_0.distcp").write_bytes(b"\0" * 100)
+        (d / META_FILE).write_text(json.dumps({"step": step}))
+    (tmp_path / "step_00000010").mkdir()  # a save in progress: no meshrun.json
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 4, 6, 8]
+    assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 8)
+    assert checkpoint_size_bytes(checkpoint_path(tmp_path, 2)) == 100 + len(json.dumps({"step": 2}))
+    deleted = prune_checkpoints(tmp_path, keep=2)
+    assert deleted == [checkpoint_path(tmp_path, 2), checkpoint_path(tmp_path, 4)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000006", "step_00000008", "step_00000010"]
+    assert prune_checkpoints(tmp_path, keep=5) == []
+    with pytest.raises(ValueError, match="keep"):
+        prune_checkpoints(tmp_path, keep=0)
+    assert latest_checkpoint(tmp_path / "nothing") is None
+
+
+# ------------------------------------------------------------------------------------------ slow
+def _resume(spec: dict, ck: Path) -> tuple[dict, dict]:
+    return spec, {"resume_from": str(ck)}
+
+
+@pytest.fixture(scope="module")
+def fsdp_dp2(tmp_path_factory):
+    """dp=2 FSDP (zero 3), 4 steps, checkpoints at steps 2 and 4 (one shared directory)."""
+    root = tmp_path_factory.mktemp("fsdp")
+    run = loop_world(2, [(make_spec({"dp": 2, "zero_stage": 3}, every=2), {"checkpoint_dir": str(root)})])[0]
+    return run, root
+
+
+@pytest.mark.slow
+def test_fsdp_dp2_resume_is_exact_and_reshards_to_tp2(fsdp_dp2):
+    run, root = fsdp_dp2
+    ck = checkpoint_path(root, 2)
+    assert [s for s, _ in list_checkpoints(root)] == [2, 4]
+    assert run["summary"]["last_checkpoint"] == str(checkpoint_path(root, 4))
+    assert {p.name for p in ck.glob("*.distcp")} >= {"__0_0.distcp", "__1_0.distcp"}
+    same, tp2 = loop_world(2, [_resume(make_spec({"dp": 2, "zero_stage": 3}), ck),
+                               _resume(make_spec({"tp": 2}), ck)])
+    assert same["steps"] == [3, 4]
+    assert same["losses"] == run["losses"][2:]  # the same layout resumes bitwise
+    assert tp2["steps"] == [3, 4]
+    assert tp2["losses"] == pytest.approx(run["losses"][2:], abs=TOL, rel=0)
+
+
+@pytest.mark.slow
+def test_fsdp_dp2_reshards_to_dp2_tp2_and_to_one_process(fsdp_dp2):
+    run, root = fsdp_dp2
+    ck = checkpoint_path(root, 2)
+    dp_tp = loop_world(4, [_resume(make_spec({"dp": 2, "tp": 2, "zero_stage": 3, "sequence_parallel": True}), ck)])[0]
+    one = loop_world(1, [_resume(make_spec(), ck)])[0]
+    for got in (dp_tp, one):
+        assert got["steps"] == [3, 4]
+        assert got["losses"] == pytest.approx(run["losses"][2:], abs=TOL, rel=0)
+
+
+@pytest.mark.slow
+def test_zero1_saves_owned_optimizer_shards_and_reloads_anywhere(tmp_path):
+    lay = {"dp": 2, "zero_stage": 1}
+    run = loop_world(2, [(make_spec(lay, every=2), {"checkpoint_dir": str(tmp_path)})])[0]
+    ck = checkpoint_path(tmp_path, 2)
+    keys = _keys(ck)
+    # every parameter's AdamW state is in the checkpoint (the union of the two ranks' shards)
+    n_params = len([k for k in keys if k.startswith("model.")])
+    assert len([k for k in keys if k.startswith("optim.state.") and k.endswith(".exp_avg")]) == n_params
+    same = loop_world(2, [_resume(make_spec(lay), ck)])[0]
+    assert same["losses"] == pytest.approx(run["losses"][2:], abs=1e-6, rel=0)
+    one = loop_world(1, [_resume(make_spec(), ck)])[0]
+    assert one["losses"] == pytest.approx(run["losses"][2:], abs=TOL, rel=0)
+
+
+@pytest.mark.slow
+def test_pipeline_checkpoint_loads_under_another_split_and_without_pp(tmp_path):
+    m4 = dict(TINY, n_layers=4)
+    run = loop_world(2, [(make_spec({"pp": 2}, model=m4, every=2), {"checkpoint_dir": str(tmp_path)})])[0]
+    ck = checkpoint_path(tmp_path, 2)
+    keys = _keys(ck)
+    assert {f"model.layers.{i}.mlp.w1.weight" for i in range(4)} <= keys
+    assert not [k for k in keys if "module." in k or "_checkpoint_wrapped" in k or "_orig_mod" in k]
+    inter = {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}
+    same, looped = loop_world(2, [_resume(make_spec({"pp": 2}, model=m4), ck), _resume(make_spec(inter, model=m4), ck)])
+    assert same["losses"] == pytest.approx(run["losses"][2:], abs=1e-6, rel=0)
+    assert looped["losses"] == pytest.approx(run["losses"][2:], abs=TOL, rel=0)
+    one = loop_world(1, [_resume(make_spec(model=m4), ck)])[0]
+    assert one["losses"] == pytest.approx(run["losses"][2:], abs=TOL, rel=0)
+
+
+@pytest.mark.slow
+def test_per_rank_directories_merge_into_one_checkpoint(tmp_path):
+    """Ray Train style: each rank saves into its own directory; merged, they are one checkpoint."""
+    spec = make_spec({"dp": 2})  # DDP
+    run = run_world(train_local, 2, spec, 2, str(tmp_path / "rank{rank}"))
+    r0, r1 = tmp_path / "rank0", tmp_path / "rank1"
+    names1 = {p.name for p in r1.iterdir()}
+    assert names1 and all(n.startswith("__1_") and n.endswith(".distcp") for n in names1)
+    assert {".metadata", META_FILE} <= {p.name for p in r0.iterdir()}
+    assert not any(n.startswith("__1_") for n in os.listdir(r0))
+
+    merged = tmp_path / "merged"
+    shutil.copytree(r0, merged)
+    for p in r1.iterdir():
+        shutil.copy2(p, merged / p.name)
+    again = run_world(train_local, 2, spec, None, None, str(merged))
+    assert again["losses"] == pytest.approx(run["losses"][2:], abs=1e-6, rel=0)
+    assert [e["rank"] for e in again["extras"]] == [0, 1]  # same world size: each rank gets its own extra
+    one = train_local(make_spec(), resume=str(merged))  # no process group at all
+    assert one["losses"] == pytest.approx(run["losses"][2:], abs=TOL, rel=0)
+    assert one["extra"]["rank"] == 0  # other world size: rank 0's
