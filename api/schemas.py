@@ -94,6 +94,29 @@ class DataSpec(_Spec):
         return v
 
 
+class CodeSpec(_Spec):
+    """Where user code (model/data entrypoints) comes from. The directory is shipped to every Ray worker through
+    the run's Ray runtime environment (``working_dir``, or ``py_modules`` when meshrun itself is shipped as the
+    working dir) and put on ``sys.path`` by the standalone launcher (``python -m workers --code-dir``)."""
+
+    working_dir: str | None = Field(
+        None, max_length=4096, description="Directory holding the user's packages (e.g. my_pkg/). Absolute (under "
+                                           "the service's allowed roots when auth is on) or relative to the "
+                                           "service's data_dir.")
+
+    @field_validator("working_dir")
+    @classmethod
+    def _path_shape(cls, v: str | None) -> str | None:
+        if v is not None:
+            if any(ord(c) < 32 or ord(c) == 127 for c in v):
+                raise ValueError("code.working_dir contains control characters (NUL, newline, ...); remove them")
+            if not v.strip():
+                raise ValueError("code.working_dir is empty; give a directory or remove the field")
+            if "://" in v:
+                raise ValueError("code.working_dir must be a local directory path, not a URL")
+        return v
+
+
 PPSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv"]
 
 
@@ -170,6 +193,8 @@ class RunSpec(_Spec):
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     skip_memory_check: bool = Field(False, description="Submit even if the planner predicts it will not fit.")
     labels: dict[str, str] = Field(default_factory=dict)
+    code: CodeSpec | None = Field(None, description="User code directory for model/data entrypoints (shipped to "
+                                                    "the workers); omit when the code is installed on the cluster.")
 
     @field_validator("name")
     @classmethod
@@ -372,10 +397,10 @@ class ClusterSpec(_Spec):
     device: str = Field("H100", description="Device type, e.g. A100-80GB, H100, H200, L4, cpu; 'live' = Ray.")
     gpus_per_node: int = Field(8, ge=1, le=1024)
     nodes: int = Field(1, ge=1, le=100_000)
-    intra_node_bandwidth_bytes_per_s: float | None = Field(None, gt=0)
-    inter_node_bandwidth_bytes_per_s: float | None = Field(None, gt=0)
-    peak_flops_per_s: float | None = Field(None, gt=0, description="Override the device's peak FLOP/s.")
-    memory_bytes: int | None = Field(None, gt=0, description="Override the device's memory.")
+    intra_node_bandwidth_bytes_per_s: float | None = Field(None, ge=1e3, le=1e15)
+    inter_node_bandwidth_bytes_per_s: float | None = Field(None, ge=1e3, le=1e15)
+    peak_flops_per_s: float | None = Field(None, ge=1e6, le=1e18, description="Override the device's peak FLOP/s.")
+    memory_bytes: int | None = Field(None, ge=2**20, le=2**50, description="Override the device's memory.")
 
 
 class PlanRequest(_Spec):

@@ -47,6 +47,7 @@ Not modelled: optimizer-step time, embedding/vocab collectives, kernel-size effe
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -319,6 +320,8 @@ def _time(c: _Ctx, lay: _Lay, mb: int, recompute: str) -> _Time:
 def _rates(c: _Ctx, tm: _Time) -> tuple[float, float]:
     """(tokens/s, MFU) of a step time."""
     tokens = c.global_batch_size * c.shape.s
+    if not (0 < tm.total < math.inf):  # degenerate overrides (e.g. a peak of 1e-300 FLOP/s): report nothing
+        return 0.0, 0.0
     mfu = tokens * c.shape.model_flops_per_token() / (tm.total * c.world * c.dev.peak_flops_per_s(c.precision))
     return tokens / tm.total, mfu
 
@@ -352,7 +355,8 @@ def _candidate(c: _Ctx, lay: _Lay, mb: int, recompute: str, mem: _Mem, tm: _Time
     return Candidate(
         layout=lay.layout(), micro_batch_size=mb, activation_checkpointing=recompute,
         memory_bytes=MemoryBreakdown(**{k: int(round(v)) for k, v in mem._asdict().items()}),
-        step_time_s=StepTimeBreakdown(**tm._asdict()) if tm is not None else StepTimeBreakdown(),
+        step_time_s=StepTimeBreakdown(**{k: v if math.isfinite(v) else 0.0 for k, v in tm._asdict().items()})
+        if tm is not None else StepTimeBreakdown(),
         tokens_per_s=tps, mfu=mfu, feasible=feasible, reason=reason)
 
 
