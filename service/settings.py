@@ -36,6 +36,12 @@ class Settings(BaseSettings):
     scheduler_interval_s: float = Field(1.0, gt=0, le=60)
     max_request_bytes: int = Field(1_048_576, ge=1024)
     rate_limit_per_minute: int = Field(1200, ge=0, description="Requests per token per minute; 0 disables.")
+    allowed_path_roots: list[Path] = Field(
+        default_factory=list, description="With auth on, absolute paths in specs (data.path, checkpoint.storage) "
+                                          "must lie under data_dir, checkpoint_root or one of these.")
+    allowed_url_schemes: list[str] = Field(
+        default_factory=lambda: ["file", "s3", "gs", "gcs", "az", "abfs", "abfss", "hdfs"],
+        description="URL schemes allowed in spec paths (fsspec protocols).")
     log_json: bool = False
     log_level: str = "INFO"
     start_scheduler: bool = Field(True, description="Run admission/reconcile loops in the API process.")

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -99,7 +99,12 @@ def get_run(session: Session, *, run_id: str, project: str | None = None, lock: 
     if project is not None:
         stmt = stmt.where(Run.project == project)
     if lock:
-        stmt = stmt.with_for_update()
+        # re-read the row even if this session loaded it before (else a stale status decides the transition)
+        stmt = stmt.with_for_update().execution_options(populate_existing=True)
+        if session.get_bind().dialect.name == "sqlite":
+            # SQLite has no row locks and pysqlite starts transactions lazily: take the database write lock
+            # now (waits up to the busy timeout), so the read below and the write after it are atomic.
+            session.execute(text("UPDATE runs SET id = id WHERE id = :id"), {"id": run_id})
     run = session.scalar(stmt)
     if run is None:
         raise NotFound(f"run '{run_id}' not found", param="run_id")
@@ -242,6 +247,9 @@ def add_metrics(session: Session, *, run_id: str, attempt: int, rows: Iterable[d
         values.append(v)
     if not values:
         return 0
+    # one row per step (the last wins: a single INSERT .. ON CONFLICT may not touch a row twice), in step order
+    # (concurrent writers then lock rows in the same order and cannot deadlock on PostgreSQL)
+    values = sorted({v["step"]: v for v in values}.values(), key=lambda v: v["step"])
     insert = _insert_for(session)
     stmt = insert(Metric).values(values)
     stmt = stmt.on_conflict_do_update(
