@@ -303,6 +303,7 @@ class RunSummary(_Public):
     final_loss: float | None = None
     mean_tokens_per_s: float | None = None
     mean_mfu: float | None = None
+    peak_memory_bytes: int | None = Field(None, description="Max over ranks and steps.")
     peak_memory_bytes_per_rank: dict[str, int] = Field(default_factory=dict)
     wall_time_s: float | None = None
 
