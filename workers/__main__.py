@@ -1,7 +1,7 @@
 """Standalone launcher (no Ray):
 
     torchrun --standalone --nproc-per-node N -m workers --spec run.yaml --metrics-out metrics.jsonl \
-        [--checkpoint-dir D] [--resume-from D]
+        [--checkpoint-dir D] [--resume-from D] [--code-dir DIR_OF_USER_PACKAGES]
     python -m workers --spec run.yaml ...          # one process (a spec with world size 1)
 
 Reads a YAML/JSON RunSpec, resolves the Plan (a bad spec exits with code 2 and names the field), runs
@@ -28,6 +28,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--resume-from", default=None, help="checkpoint directory to load before training")
     ap.add_argument("--steps", type=int, default=None, help="override train.steps")
     ap.add_argument("--run-id", default="local")
+    ap.add_argument("--code-dir", default=None, help="directory of user packages for model/data entrypoints, put "
+                                                     "on sys.path (default: the spec's code.working_dir)")
     ap.add_argument("--log-level", default=os.environ.get("MESHRUN_LOG_LEVEL", "INFO"))
     return ap.parse_args(argv)
 
@@ -60,6 +62,13 @@ def main(argv: list[str] | None = None) -> int:
         first = e.errors()[0]
         field = ".".join(str(x) for x in first["loc"])
         return _fail(f"{field}: {first['msg']} ({len(e.errors())} issue(s) in {args.spec})")
+    code_dir = args.code_dir or (spec.code.working_dir if spec.code is not None else None)
+    if code_dir:
+        from workers.user_code import UserCodeError, add_code_path
+        try:
+            add_code_path(code_dir)
+        except UserCodeError as e:
+            return _fail(str(e))
     import torch
     device = "cuda" if torch.cuda.is_available() and spec.resources.device != "cpu" else "cpu"
     try:

@@ -11,8 +11,12 @@ Sources:
 - ``synthetic``: arithmetic sequences ``(a + b t) mod V`` with random a, b per sample (learnable).
 - ``text``: byte-level tokens of the files under ``data.path`` (a file or a directory, sorted); without a
   path, the Python standard library's ``.py`` files (``sysconfig.get_paths()["stdlib"]``), capped at 4 MB.
-- ``tokens``: a directory of ``.bin`` token files (``data.args.dtype``: uint16 (default) or uint32), memmapped.
-- ``custom``: ``data.entrypoint`` returns a map-style dataset; item j is a LongTensor of seq_len + 1 tokens.
+- ``tokens``: a directory of ``.bin`` token files (``data.args.dtype``: uint16 (default) or uint32) and/or
+  ``.npy`` arrays, memmapped (never read whole).
+- ``custom``: ``data.entrypoint(**data.args)`` returns a map-style dataset (``__len__`` + ``__getitem__``); item j
+  is an ``(input, target)`` pair of (seq_len,) tensors, or a LongTensor of seq_len + 1 tokens (input = [:-1],
+  target = [1:]). The entrypoint may also accept ``seq_len`` / ``vocab_size`` / ``seed`` keywords; they are
+  passed when its signature names them and ``data.args`` does not.
 """
 
 from __future__ import annotations
@@ -121,17 +125,45 @@ def make_source(data: DataSpec, *, seq_len: int, vocab_size: int, seed: int):
         if dtype not in (np.uint16, np.uint32):
             raise ValueError("data.args.dtype must be uint16 or uint32")
         root = Path(data.path).expanduser()
-        files = [root] if root.is_file() else sorted(root.glob("*.bin"))
+        if not root.exists():
+            raise FileNotFoundError(f"data.path {root} does not exist; give a directory of .bin/.npy token files")
+        files = [root] if root.is_file() else sorted([*root.glob("*.bin"), *root.glob("*.npy")])
         if not files:
-            raise FileNotFoundError(f"no .bin token files under data.path {root}")
-        arrays = [np.memmap(f, dtype=dtype, mode="r") for f in files]
+            raise FileNotFoundError(f"no .bin or .npy token files under data.path {root}")
+        arrays = [np.load(f, mmap_mode="r").reshape(-1) if f.suffix == ".npy" else np.memmap(f, dtype=dtype, mode="r")
+                  for f in files]
         return WindowSource(arrays, seq_len, vocab_size, f"tokens:{root}")
     if data.source == "custom":
-        from workers.models import load_entrypoint
-        if not data.entrypoint:
-            raise ValueError("data.source 'custom' needs data.entrypoint 'package.module:function'")
-        return load_entrypoint(data.entrypoint)(**data.args)
+        return _custom_source(data, seq_len=seq_len, vocab_size=vocab_size, seed=seed)
     raise ValueError(f"unknown data.source {data.source!r}")
+
+
+def _custom_source(data: DataSpec, *, seq_len: int, vocab_size: int, seed: int) -> Any:
+    import inspect
+
+    from workers.user_code import UserCodeError, import_entrypoint
+
+    if not data.entrypoint:
+        raise UserCodeError("data.entrypoint", "data.source 'custom' needs data.entrypoint 'package.module:function'")
+    fn = import_entrypoint(data.entrypoint, param="data.entrypoint")
+    kwargs = dict(data.args)
+    try:
+        params = inspect.signature(fn).parameters
+        for k, v in (("seq_len", seq_len), ("vocab_size", vocab_size), ("seed", seed)):
+            if k in params and k not in kwargs:
+                kwargs[k] = v
+    except (TypeError, ValueError):  # builtins / C callables without a signature
+        pass
+    try:
+        ds = fn(**kwargs)
+    except TypeError as e:
+        raise UserCodeError("data.args", f"{data.entrypoint}(**data.args) failed: {e}; check the argument names") from e
+    if not (hasattr(ds, "__len__") and hasattr(ds, "__getitem__")):
+        raise UserCodeError("data.entrypoint", f"{data.entrypoint} returned {type(ds).__name__}, not a map-style "
+                                               "dataset (needs __len__ and __getitem__)")
+    if len(ds) == 0:
+        raise UserCodeError("data.entrypoint", f"{data.entrypoint} returned an empty dataset")
+    return ds
 
 
 class StepBatches:
@@ -179,11 +211,16 @@ class StepBatches:
             self._perm_cache = {epoch: torch.randperm(self.num_samples, generator=g)}
         return self._perm_cache[epoch]
 
-    def sample(self, j: int) -> torch.Tensor:
+    def sample(self, j: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Sample j: a (T+1,) token tensor, or an (input, target) pair from a custom dataset."""
         if isinstance(self.source, SyntheticSource):
             return self.source.sample(j)
         n = self.num_samples
         item = self.source[int(self._perm(j // n)[j % n])]
+        if isinstance(item, (tuple, list)) and len(item) == 2:
+            x, y = item
+            x = torch.as_tensor(x)
+            return (x if x.is_floating_point() else x.to(torch.int64)), torch.as_tensor(y, dtype=torch.int64)
         return torch.as_tensor(item, dtype=torch.int64)
 
     def global_indices(self, step: int) -> range:
@@ -191,7 +228,10 @@ class StepBatches:
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = step * self.global_batch_size + self.dp_rank * self.per_rank
-        seqs = torch.stack([self.sample(j) for j in range(start, start + self.per_rank)])  # (G/dp, T+1)
+        items = [self.sample(j) for j in range(start, start + self.per_rank)]
+        if isinstance(items[0], tuple):  # (input, target) examples
+            return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
+        seqs = torch.stack(items)  # (G/dp, T+1)
         return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
 
     def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

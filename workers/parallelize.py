@@ -14,7 +14,6 @@ Data-parallel flavour by ``plan.zero_stage``:
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import logging
 import os
 import time
@@ -51,6 +50,9 @@ def find_blocks(model: nn.Module, block_classes: Iterable[str] | None = None) ->
         return [(model.layers, k, b) for k, b in model.layers.named_children()]
     if not names and hasattr(model, "block_class"):
         names = {model.block_class.__name__}
+    if not names and getattr(model, "_no_split_modules", None):  # Hugging Face models name their blocks
+        present = {type(m).__name__ for m in model.modules()}
+        names = {n for n in model._no_split_modules if n in present}
     if names:
         out = []
         for pname, parent in model.named_modules():
@@ -77,21 +79,11 @@ def _set_child(parent: nn.Module, key: str, module: nn.Module) -> None:
 
 # ---------------------------------------------------------------------------------------------- TP
 def _styles_from_strings(model: nn.Module, plan: dict[str, str]) -> dict:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+    """A declared plan (spec.model.tp_plan) -> ParallelStyles; a pattern matching no module (or colwise/rowwise
+    on a module that is not Linear/Embedding) raises ``workers.user_code.UserCodeError`` naming it."""
+    from workers.user_code import tp_styles
 
-    make = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence_parallel": SequenceParallel,
-            "vocab_parallel": lambda: RowwiseParallel(input_layouts=Replicate())}
-    out = {}
-    names = [n for n, _ in model.named_modules() if n]
-    for pattern, style in plan.items():
-        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
-        if not hits:
-            raise ValueError(f"model.tp_plan pattern '{pattern}' matches no module; module names look like "
-                             f"{names[:5]}")
-        for n in hits:
-            out[n] = make[style]()
-    return out
+    return tp_styles(model, plan)
 
 
 def apply_tp(model: nn.Module, tp_mesh, *, sequence_parallel: bool = False, loss_parallel: bool = False,

@@ -12,7 +12,6 @@ Every built-in model class declares:
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 import zlib
@@ -57,28 +56,32 @@ def _build_mlp(cfg: ModelConfig) -> nn.Module:
                     d_ff=cfg.d_ff)
 
 
-def load_entrypoint(entrypoint: str) -> Callable[..., Any]:
-    mod_name, _, attr = entrypoint.partition(":")
-    try:
-        return getattr(importlib.import_module(mod_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"model.entrypoint '{entrypoint}' cannot be loaded ({e}); give an importable "
-                         "'package.module:function'") from e
+def load_entrypoint(entrypoint: str, *, param: str = "model.entrypoint") -> Callable[..., Any]:
+    """'package.module:function' -> the callable (see ``workers.user_code.import_entrypoint``)."""
+    from workers.user_code import import_entrypoint
+
+    return import_entrypoint(entrypoint, param=param)
 
 
 @register_model("custom")
 def _build_custom(cfg: ModelConfig) -> nn.Module:
     if not cfg.entrypoint:
         raise ValueError("model 'custom' needs model.entrypoint 'package.module:function'")
-    model = load_entrypoint(cfg.entrypoint)(**cfg.args)
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model.entrypoint {cfg.entrypoint} returned {type(model).__name__}, not a torch.nn.Module")
-    return model
+    from workers.user_code import call_model_entrypoint
+
+    return call_model_entrypoint(cfg.entrypoint, cfg.args)
 
 
 def build_model(cfg: ModelConfig, *, device: str | torch.device = "meta") -> nn.Module:
-    """Build the model ``cfg`` names on ``device`` (meta by default: no memory, init later)."""
+    """Build the model ``cfg`` names on ``device`` (meta by default: no memory, init later).
+
+    User models (entrypoint) on meta get their parameters on meta and their buffers real (see
+    ``workers.user_code.build_user_model``)."""
     name = "custom" if cfg.entrypoint else cfg.name
+    if name == "custom" and cfg.entrypoint:
+        from workers.user_code import build_user_model
+
+        return build_user_model(cfg.entrypoint, cfg.args, device=device)
     builder = _REGISTRY.get(name)
     if builder is None:
         raise ValueError(f"unknown model '{cfg.name}'; registered: {registered_models()}")
@@ -96,11 +99,18 @@ def _param_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
 
 
+def _is_norm(module: nn.Module) -> bool:
+    """Normalisation layers of user models (nn.RMSNorm, GroupNorm, Hugging Face LlamaRMSNorm, ...): weight 1,
+    bias 0 (a zero norm weight would silence the whole model)."""
+    return isinstance(module, (nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)) or \
+        type(module).__name__.lower().endswith("norm")
+
+
 def _full_init(module: nn.Module, pname: str, full_name: str, shape: torch.Size, *, seed: int,
                n_layers: int) -> torch.Tensor:
     """The full (unsharded) initial value of one parameter, a pure function of (seed, name, shape)."""
     g = torch.Generator().manual_seed(_param_seed(seed, full_name))
-    if isinstance(module, nn.LayerNorm):
+    if isinstance(module, nn.LayerNorm) or _is_norm(module):
         return torch.ones(shape) if pname == "weight" else torch.zeros(shape)
     if pname == "bias":
         return torch.zeros(shape)
@@ -149,8 +159,17 @@ def init_weights(model: nn.Module, *, seed: int = 0) -> None:
 
 
 def materialize(model: nn.Module, *, device: str | torch.device, seed: int = 0) -> nn.Module:
-    """meta -> real storage on ``device`` (``to_empty``), then ``init_weights``. Works before or after sharding."""
+    """meta -> real storage on ``device`` (``to_empty``), then ``init_weights``. Works before or after sharding.
+
+    Buffers that already hold values (user models build theirs for real: rotary tables, masks) keep them."""
+    kept = {canonical_name(n): b.detach().clone() for n, b in model.named_buffers() if not b.is_meta}
     model.to_empty(device=device)
+    if kept:
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                src = kept.get(canonical_name(n))
+                if src is not None and src.shape == b.shape:
+                    b.copy_(src.to(device=b.device, dtype=b.dtype))
     init_weights(model, seed=seed)
     return model
 
