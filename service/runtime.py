@@ -1,0 +1,245 @@
+"""The service's Ray runtime: cluster connection + admission/reconcile loop + run operations for the API.
+
+``Runtime(settings, session_factory)`` is created by the API's lifespan: ``start()`` starts (embedded) or
+connects to (``MESHRUN_RAY_ADDRESS``) the Ray cluster and the scheduler thread; ``stop()`` ends both (an owned
+head is stopped; an existing cluster is left alone). The API routes call ``cancel_run``, ``run_logs``,
+``resume_run``, ``never_fits``, ``planning_cluster``, ``cluster``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from api.schemas import BatchSpec, ClusterPublic, ClusterSpec, Layout, NodePublic, Plan, RunSpec, RunStatus
+from service import store
+from service.db import session_scope
+from service.placement import NodeCapacity
+from service.placement import never_fits as _never_fits
+from service.ray_backend import JobsBackend, trim
+from service.ray_cluster import RayCluster
+from service.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+CANCEL_WAIT_S = 20.0
+CLUSTER_CACHE_S = 2.0
+
+
+_cpu_peak: float | None = None
+_cpu_peak_lock = threading.Lock()
+
+
+def cpu_peak_flops_per_s(*, seconds: float = 0.2, n: int = 512) -> float:
+    """fp32 matmul FLOP/s of one CPU core (a 1-CPU worker's peak), measured once per process."""
+    global _cpu_peak
+    with _cpu_peak_lock:
+        if _cpu_peak is None:
+            import torch
+
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                a, b = torch.randn(n, n), torch.randn(n, n)
+                a @ b
+                iters, t0 = 0, time.perf_counter()
+                while time.perf_counter() - t0 < seconds:
+                    a @ b
+                    iters += 1
+                _cpu_peak = 2.0 * n ** 3 * iters / (time.perf_counter() - t0)
+            finally:
+                torch.set_num_threads(threads)
+        return _cpu_peak
+
+
+class Runtime:
+    def __init__(self, settings: Any, session_factory: Any, *, cluster: RayCluster | None = None):
+        self.settings = settings
+        self.factory = session_factory
+        self.ray_cluster = cluster or RayCluster.from_settings(settings)
+        self.jobs: JobsBackend | None = None
+        self.scheduler: Scheduler | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._tick_lock = threading.Lock()
+        self._nodes_cache: tuple[float, list[Any]] | None = None
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self.ray_cluster.start()
+        self.jobs = JobsBackend(self.ray_cluster.dashboard_url)
+        self.scheduler = Scheduler(settings=self.settings, session_factory=self.factory, cluster=self.ray_cluster,
+                                   jobs=self.jobs)
+        self.tick()  # reconcile what a previous service left behind before serving
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="meshrun-scheduler", daemon=True)
+        self._thread.start()
+        logger.info("runtime started: Ray %s (%s), dashboard %s", self.ray_cluster.address,
+                    "owned" if self.ray_cluster.owned else "existing", self.dashboard_url)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+        self.ray_cluster.stop()
+
+    def _loop(self) -> None:
+        interval = float(self.settings.scheduler_interval_s)
+        while not self._stop.is_set():
+            self._wake.wait(interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            self.tick()
+
+    def tick(self) -> None:
+        """One admission + reconcile pass (also callable from tests)."""
+        if self.scheduler is None:
+            return
+        with self._tick_lock:
+            self.scheduler.tick()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    @property
+    def dashboard_url(self) -> str | None:
+        return self.ray_cluster.dashboard_url
+
+    # -------------------------------------------------------------------------------------------- cluster
+    def _nodes(self) -> list[Any]:
+        now = time.monotonic()
+        if self._nodes_cache is None or now - self._nodes_cache[0] > CLUSTER_CACHE_S:
+            self._nodes_cache = (now, self.ray_cluster.nodes())
+        return self._nodes_cache[1]
+
+    def cluster_public(self) -> ClusterPublic:
+        nodes = self._nodes()
+        alive = [n for n in nodes if n.alive]
+        return ClusterPublic(
+            address=self.ray_cluster.address, dashboard_url=self.dashboard_url,
+            nodes=[NodePublic(node_id=n.node_id, alive=n.alive, address=n.address, cpus=n.total.get("CPU", 0.0),
+                              gpus=n.total.get("GPU", 0.0),
+                              memory_bytes=int(n.total["memory"]) if "memory" in n.total else None) for n in nodes],
+            cpus_total=sum(n.total.get("CPU", 0.0) for n in alive),
+            cpus_free=sum(n.free.get("CPU", 0.0) for n in alive),
+            gpus_total=sum(n.total.get("GPU", 0.0) for n in alive),
+            gpus_free=sum(n.free.get("GPU", 0.0) for n in alive))
+
+    def cluster(self) -> ClusterPublic:
+        return self.cluster_public()
+
+    def capacities(self) -> list[NodeCapacity]:
+        return [NodeCapacity(node_id=n.node_id, total=n.total, free=n.free) for n in self._nodes() if n.alive]
+
+    def planning_cluster(self) -> ClusterSpec | None:
+        """The live cluster as the planner sees it: GPU nodes by accelerator type, else 'cpu' with the memory
+        a CPU worker may use (node memory shared by its CPUs)."""
+        try:
+            alive = [n for n in self._nodes() if n.alive]
+        except Exception:  # noqa: BLE001 - planning without the cluster is still possible
+            logger.exception("cluster state unavailable for planning")
+            return None
+        if not alive:
+            return None
+        gpu_nodes = [n for n in alive if n.total.get("GPU", 0) > 0]
+        if gpu_nodes:
+            acc = next((k.split("accelerator_type:", 1)[1] for n in gpu_nodes for k in n.total
+                        if k.startswith("accelerator_type:")), None)
+            per_node = int(max(n.total["GPU"] for n in gpu_nodes))
+            return ClusterSpec(device=acc or "H100", gpus_per_node=max(1, per_node), nodes=len(gpu_nodes))
+        per_node = int(max(n.total.get("CPU", 1) for n in alive))
+        mem = min(n.total.get("memory", 0) / max(1.0, n.total.get("CPU", 1)) for n in alive)
+        return ClusterSpec(device="cpu", gpus_per_node=max(1, per_node), nodes=len(alive),
+                           memory_bytes=int(mem) if mem > 0 else None, peak_flops_per_s=cpu_peak_flops_per_s())
+
+    def never_fits(self, plan: Plan | dict[str, Any]) -> str | None:
+        try:
+            nodes = self.capacities()
+        except Exception:  # noqa: BLE001 - cannot tell: let the scheduler decide
+            logger.exception("cluster state unavailable for the capacity check")
+            return None
+        if not nodes:
+            return None
+        return _never_fits(plan, nodes)
+
+    # ------------------------------------------------------------------------------------------- runs
+    def cancel_run(self, run_id: str, actor: str | None = None) -> None:
+        """CANCELLED first (the driver then never overwrites it), then stop the Ray Job and wait for it to end
+        (its driver, the Train controller and the workers are gone afterwards)."""
+        with session_scope(self.factory) as s:
+            run = store.get_run(s, run_id=run_id)
+            job_id = run.ray_job_id
+            if not RunStatus(run.status).terminal:
+                store.transition(s, run_id=run_id, to=RunStatus.CANCELLED, reason=f"cancelled by {actor or 'user'}",
+                                 actor=actor)
+                if run.attempts:
+                    store.finish_attempt(s, run_id=run_id, attempt=run.attempts, status="CANCELLED",
+                                         cause=f"cancelled by {actor or 'user'}")
+        if self.scheduler is not None:
+            self.scheduler.pending.pop(run_id, None)
+        if not job_id or self.jobs is None:
+            return
+        try:
+            self.jobs.stop(job_id)
+        except Exception:  # noqa: BLE001
+            logger.exception("stopping Ray Job %s failed", job_id)
+            return
+        deadline = time.monotonic() + CANCEL_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                if self.jobs.state(job_id).terminal:
+                    break
+            except Exception:  # noqa: BLE001
+                break
+            time.sleep(0.5)
+        with session_scope(self.factory) as s:
+            store.add_event(s, run_id=run_id, kind="ray", reason=f"Ray Job {job_id} stopped", actor=actor)
+
+    def run_logs(self, run_id: str) -> str:
+        with session_scope(self.factory) as s:
+            job_id = store.get_run(s, run_id=run_id).ray_job_id
+        if not job_id or self.jobs is None:
+            return ""
+        try:
+            return self.jobs.logs(job_id)
+        except Exception as e:  # noqa: BLE001
+            return f"(logs of Ray Job {job_id} unavailable: {e})"
+
+    def resume_run(self, run_id: str, layout: Layout | None = None, batch: BatchSpec | None = None,
+                   steps: int | None = None, actor: str | None = None) -> None:
+        """FAILED/CANCELLED -> QUEUED from the latest checkpoint, with the spec/plan updated to a new layout,
+        batch or step count (the checkpoint reshards on load)."""
+        from api.validation import build_plan
+
+        with session_scope(self.factory) as s:
+            run = store.get_run(s, run_id=run_id)
+            spec = RunSpec.model_validate(run.spec)
+            update: dict[str, Any] = {}
+            if layout is not None:
+                update["layout"] = Layout.model_validate(layout)
+            if batch is not None:
+                update["batch"] = BatchSpec.model_validate(batch)
+            if steps is not None:
+                update["train"] = spec.train.model_copy(update={"steps": int(steps)})
+            new_spec = RunSpec.model_validate(spec.model_copy(update=update).model_dump())
+            plan = build_plan(new_spec, device=(Plan.model_validate(run.plan).device if run.plan else "auto"))
+            old = Plan.model_validate(run.plan) if run.plan else None
+            if old is not None and old.predicted is not None and not update:
+                plan = plan.model_copy(update={"predicted": old.predicted})
+            ck = store.latest_checkpoint(s, run_id=run_id)
+            resume_from = ck.path if ck is not None else None
+            what = f"from checkpoint of step {ck.step}" if ck is not None else "from scratch (no checkpoint)"
+            if layout is not None:
+                what += f" with layout dp={plan.dp} tp={plan.tp} pp={plan.pp}"
+            store.transition(s, run_id=run_id, to=RunStatus.QUEUED, reason=trim(f"resumed by {actor or 'user'} "
+                                                                                f"{what}", 1000),
+                             actor=actor, allow_from=[RunStatus.FAILED, RunStatus.CANCELLED],
+                             spec=new_spec.model_dump(mode="json"), plan=plan.model_dump(mode="json"),
+                             resume_from=resume_from, summary=None)
+        self.wake()

@@ -1,0 +1,251 @@
+"""Shared fixtures: one local Ray cluster per test session and a live meshrun service on it.
+
+- ``ray_cluster``: a Ray head on its own ports (GCS near 6390, dashboard near 8266; free ones when taken), with
+  ``MESHRUN_TEST_RAY_CPUS`` CPUs (default 6), token auth, started once per session and stopped at the end by
+  process group (never a machine-wide ``ray stop``). ``ray_cluster.add_node(num_cpus=4)`` joins another node
+  (its own ``ray start --block`` process group), ``remove_node`` stops it. Process groups are recorded in
+  ``/tmp/meshrun-test-ray.pgids`` so a later session can clean up what a killed session left behind.
+- ``live_service``: uvicorn on a free loopback port in a background thread, serving
+  ``create_app(Settings(ray_address=<that cluster>, data_dir=tmp, database_url=sqlite))`` with the scheduler
+  on. Has ``.url``, ``.settings``, ``.app`` (``.app.state.runtime``), ``.session_factory``.
+- ``pg_url`` lives in tests/api (PostgreSQL-specific tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PGID_FILE = Path("/tmp/meshrun-test-ray.pgids")
+logger = logging.getLogger("meshrun.tests")
+
+
+# --------------------------------------------------------------------------------------------- leftovers
+def _record_pgid(pgid: int) -> None:
+    with open(PGID_FILE, "a") as f:
+        f.write(f"{pgid} {os.getpid()}\n")
+
+
+def _entries() -> list[tuple[int, int]]:
+    out = []
+    if PGID_FILE.exists():
+        for ln in PGID_FILE.read_text().splitlines():
+            parts = ln.split()
+            if len(parts) == 2 and all(p.isdigit() for p in parts):
+                out.append((int(parts[0]), int(parts[1])))
+    return out
+
+
+def _write(entries: list[tuple[int, int]]) -> None:
+    PGID_FILE.write_text("".join(f"{g} {o}\n" for g, o in entries))
+
+
+def _forget_pgid(pgid: int) -> None:
+    _write([(g, o) for g, o in _entries() if g != pgid])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _kill_leftover_groups() -> None:
+    """Kill Ray process groups that an earlier test session started and could not stop (its pytest process is
+    gone). Groups of sessions still running (other people's, in parallel) are left alone."""
+    keep = []
+    for pgid, owner in _entries():
+        if _alive(owner):
+            keep.append((pgid, owner))
+            continue
+        try:
+            cmd = Path(f"/proc/{pgid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            cmd = ""
+        if "ray" in cmd and "start" in cmd:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+                logger.warning("killed leftover Ray process group %s from an earlier test session", pgid)
+            except ProcessLookupError:
+                pass
+    _write(keep)
+
+
+# ------------------------------------------------------------------------------------------------- ray
+@dataclass
+class ExtraNode:
+    proc: subprocess.Popen
+    log: Path
+    node_id: str | None = None
+
+
+@dataclass
+class RayTestCluster:
+    head: Any  # service.ray_cluster.RayCluster
+    tmp: Path
+    extra: list[ExtraNode] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return self.head.address
+
+    @property
+    def dashboard_url(self) -> str:
+        return self.head.dashboard_url
+
+    def nodes(self):
+        return self.head.nodes()
+
+    def alive_nodes(self):
+        return [n for n in self.head.nodes() if n.alive]
+
+    def add_node(self, *, num_cpus: int = 4, timeout_s: float = 90.0) -> ExtraNode:
+        from service.ray_cluster import free_port
+
+        before = {n.node_id for n in self.alive_nodes()}
+        base = 40000 + secrets.randbelow(200) * 100
+        cmd = [str(Path(sys.executable).with_name("ray")), "start", f"--address={self.address}", "--block",
+               "--disable-usage-stats", f"--num-cpus={num_cpus}", "--num-gpus=0",
+               f"--metrics-export-port={free_port(None)}", f"--dashboard-agent-listen-port={free_port(None)}",
+               f"--dashboard-agent-grpc-port={free_port(None)}", f"--runtime-env-agent-port={free_port(None)}",
+               f"--min-worker-port={base}", f"--max-worker-port={base + 99}"]
+        log = self.tmp / f"node-{len(self.extra) + 1}.log"
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        with open(log, "ab") as fh:
+            proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, cwd=str(self.tmp))
+        _record_pgid(proc.pid)
+        node = ExtraNode(proc=proc, log=log)
+        self.extra.append(node)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            new = [n for n in self.alive_nodes() if n.node_id not in before and n.total.get("CPU")]
+            if new:
+                node.node_id = new[0].node_id
+                return node
+            if proc.poll() is not None:
+                break
+            time.sleep(0.5)
+        self.remove_node(node)
+        raise RuntimeError(f"the extra Ray node did not join: {log.read_text()[-3000:]}")
+
+    def remove_node(self, node: ExtraNode) -> None:
+        from service.ray_cluster import kill_process_group
+
+        kill_process_group(node.proc, timeout_s=20)
+        _forget_pgid(node.proc.pid)
+        if node in self.extra:
+            self.extra.remove(node)
+
+    def stop(self) -> None:
+        for node in list(self.extra):
+            self.remove_node(node)
+        pgid = self.head.proc.pid if self.head.proc is not None else None
+        self.head.stop()
+        if pgid:
+            _forget_pgid(pgid)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[RayTestCluster]:
+    from service.ray_cluster import RayCluster, free_port
+
+    _kill_leftover_groups()
+    # short path: Ray's unix sockets live under the session dir (108-byte limit)
+    tmp = Path(f"/tmp/mr_test_{secrets.token_hex(3)}")
+    tmp.mkdir()
+    head = RayCluster(gcs_port=free_port(6390), dashboard_port=free_port(8266), metrics_export_port=None,
+                      num_cpus=int(os.environ.get("MESHRUN_TEST_RAY_CPUS", "6")), num_gpus=0, data_dir=tmp)
+    os.environ.setdefault("MESHRUN_TORCH_TIMEOUT_S", "60")
+    try:
+        head.start()
+    finally:
+        if head.proc is not None:
+            _record_pgid(head.proc.pid)
+    cluster = RayTestCluster(head=head, tmp=tmp)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+# --------------------------------------------------------------------------------------------- service
+@dataclass
+class LiveService:
+    url: str
+    settings: Any
+    app: Any
+    server: Any
+    thread: threading.Thread
+
+    @property
+    def base_url(self) -> str:
+        return self.url
+
+    @property
+    def runtime(self) -> Any:
+        return self.app.state.runtime
+
+    @property
+    def session_factory(self) -> Any:
+        return self.app.state.session_factory
+
+
+def start_live_service(*, ray_cluster: RayTestCluster, data_dir: Path, database_url: str | None = None,
+                       **overrides: Any) -> LiveService:
+    import uvicorn
+
+    from api.server import create_app
+    from service.ray_cluster import free_port
+    from service.settings import Settings
+
+    port = free_port(None)
+    settings = Settings(ray_address=ray_cluster.address, ray_dashboard_url=ray_cluster.dashboard_url,
+                        data_dir=data_dir, database_url=database_url or f"sqlite:///{data_dir / 'meshrun.db'}",
+                        host="127.0.0.1", port=port, scheduler_interval_s=0.5, rate_limit_per_minute=0,
+                        **overrides)
+    app = create_app(settings)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           lifespan="on"))
+    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the live service failed to start (see the log above)")
+        if time.monotonic() > deadline:
+            raise TimeoutError("the live service did not start within 60 s")
+        time.sleep(0.1)
+    return LiveService(url=f"http://127.0.0.1:{port}", settings=settings, app=app, server=server, thread=thread)
+
+
+def stop_live_service(svc: LiveService) -> None:
+    svc.server.should_exit = True
+    svc.thread.join(timeout=60)
+
+
+@pytest.fixture(scope="session")
+def live_service(ray_cluster: RayTestCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveService]:
+    data_dir = tmp_path_factory.mktemp("meshrun-live")
+    svc = start_live_service(ray_cluster=ray_cluster, data_dir=data_dir)
+    try:
+        yield svc
+    finally:
+        stop_live_service(svc)

@@ -1,0 +1,72 @@
+"""Issue 7 on Ray: a worker SIGKILLed mid-run -> Ray Train restarts the group from the latest checkpoint as a new
+attempt; the run succeeds with every step exactly once and the uninterrupted run's final loss."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import ray  # noqa: F401 - ray vendors psutil
+
+from tests.ray.conftest import FT_STEPS, ft_spec
+from tests.ray.helpers import events, metrics, submit, wait_for, wait_for_step
+from tests.ray.test_runs import worker_pids
+
+pytestmark = pytest.mark.ray
+
+
+def test_worker_killed_mid_run_recovers_from_checkpoint(live_service, reference_dp2_run):
+    url = live_service.url
+    ref, ref_rows = reference_dp2_run
+    run = submit(url, ft_spec("e2e-ft-kill", resources={"device": "cpu", "cpus_per_worker": 1, "max_failures": 1}))
+    wait_for_step(url, run["id"], 12, timeout_s=300)
+    pids = worker_pids(url, run["id"])
+    os.kill(pids[1], signal.SIGKILL)
+
+    done = wait_for(url, run["id"], {"SUCCEEDED"}, timeout_s=400)
+    assert done["attempts"] == 2
+    ev = events(url, run["id"])
+    attempts = [e["reason"] for e in ev if e["kind"] == "attempt"]
+    assert len(attempts) == 2 and attempts[1].startswith("attempt 2: restart after failure"), attempts
+    rows = metrics(url, run["id"])
+    assert [r["step"] for r in rows] == list(range(1, FT_STEPS + 1))  # every step exactly once
+    assert rows[-1]["attempt"] == 2 and rows[0]["attempt"] == 1
+    # replayed steps after the resume came from attempt 2; they start right after a checkpoint step
+    first_replayed = min(r["step"] for r in rows if r["attempt"] == 2)
+    assert (first_replayed - 1) % 5 == 0 and first_replayed <= 13
+    assert done["summary"]["final_loss"] == pytest.approx(ref["summary"]["final_loss"], rel=1e-5)
+    assert rows[-1]["loss"] == pytest.approx(ref_rows[-1]["loss"], rel=1e-5)
+    cks = httpx.get(f"{url}/v1/runs/{run['id']}/checkpoints", timeout=30).json()
+    assert {c["step"] for c in cks} >= {5, 10, 20, 25, 30}
+
+
+@pytest.mark.parametrize("layout", [{"dp": 1, "tp": 2}, {"dp": 1}], ids=["tp2", "single-worker"])
+def test_cancelled_run_resumes_from_checkpoint_with_a_new_layout(live_service, reference_dp2_run, layout):
+    url = live_service.url
+    ref, ref_rows = reference_dp2_run
+    run = submit(url, ft_spec(f"e2e-resume-{'-'.join(f'{k}{v}' for k, v in layout.items())}",
+                              train={"steps": 2000, "seed": 1, "deterministic": True}))
+    deadline = time.monotonic() + 300
+    while not any(c["step"] >= 10 for c in httpx.get(f"{url}/v1/runs/{run['id']}/checkpoints", timeout=30).json()):
+        assert time.monotonic() < deadline, "no checkpoint of step >= 10 recorded"
+        time.sleep(0.5)
+    assert httpx.post(f"{url}/v1/runs/{run['id']}/cancel", timeout=60).json()["status"] == "CANCELLED"
+    cks = httpx.get(f"{url}/v1/runs/{run['id']}/checkpoints", timeout=30).json()
+    last = max(c["step"] for c in cks)
+    assert last >= 10
+    ran = metrics(url, run["id"])[-1]["step"]
+    steps = ran + 3  # the resumed attempt replaces every step after the checkpoint
+    r = httpx.post(f"{url}/v1/runs/{run['id']}/resume", json={"layout": layout, "steps": steps}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["status"] in ("QUEUED", "STARTING", "RUNNING")
+    done = wait_for(url, run["id"], {"SUCCEEDED"}, timeout_s=300)
+    assert done["plan"]["world_size"] == layout.get("dp", 1) * layout.get("tp", 1)
+    rows = metrics(url, run["id"])
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    resumed = [r for r in rows if r["step"] > last]
+    assert all(r["attempt"] == 2 for r in resumed)
+    # the first resumed step's loss is the loss the uninterrupted run had at that step (resharded checkpoint)
+    assert resumed[0]["loss"] == pytest.approx(ref_rows[last]["loss"], rel=1e-3)

@@ -1,0 +1,185 @@
+"""The Ray Train ``train_loop_per_worker``: runs ``workers.loop.train`` inside a Ray Train worker.
+
+Per worker group start (an attempt):
+1. every rank all-gathers (Ray node id, pid); the TP groups (``tp`` consecutive ranks; rank order pp-outer,
+   dp, tp-inner) must each share one node, else the run stops with a clear error;
+2. rank 0 registers the attempt with the run's channel actor (rank -> node map, pids) and broadcasts the
+   attempt number;
+3. resume from ``ray.train.get_checkpoint()`` (a restart after a failure) or else ``config["resume_from"]``
+   (a user resume of an earlier run);
+4. train: rank 0's per-step rows go fire-and-forget to the channel in small batches (every
+   ``FLUSH_INTERVAL_S``; never through ``ray.train.report``, a ~2 s barrier); each checkpoint (every rank saves its shard into its own local directory) is reported with
+   ``ray.train.report(..., checkpoint=...)``, which merges the ranks' directories in the run's storage.
+
+Imports ray and torch only (no fastapi, no sqlalchemy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import ray
+import ray.train
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TRAIN_FN = "workers.loop:train"
+FLUSH_INTERVAL_S = 0.25     # rank 0 batches per-step rows to the run channel at most this often
+PUBLISH_INTERVAL_S = 1.0    # Ray metrics gauges (latest value) at most this often
+
+
+class TPGroupSplitError(RuntimeError):
+    """A tensor-parallel group spans nodes."""
+
+
+def check_tp_groups(rank_nodes: list[str], tp: int) -> str | None:
+    """None if every TP group (tp consecutive ranks) is on one node, else a message naming the first split."""
+    tp = max(1, tp)
+    for start in range(0, len(rank_nodes), tp):
+        grp = rank_nodes[start:start + tp]
+        if len(set(grp)) > 1:
+            return (f"tensor-parallel group of ranks {start}..{start + len(grp) - 1} spans nodes "
+                    f"{sorted(set(grp))}; a TP group must share one node. Ranks per node: "
+                    f"{_counts(rank_nodes)}. Place whole TP groups per node (each node a multiple of tp={tp} "
+                    "workers) or lower tp")
+    return None
+
+
+def _counts(rank_nodes: list[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for n in rank_nodes:
+        out[n[:12]] = out.get(n[:12], 0) + 1
+    return out
+
+
+def _load(path: str) -> Callable[..., Any]:
+    mod, _, fn = path.partition(":")
+    return getattr(importlib.import_module(mod), fn)
+
+
+def _gather_objects(obj: Any) -> list[Any]:
+    world = dist.get_world_size()
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _broadcast(obj: Any) -> Any:
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _publisher(run_id: str, run_name: str, rank: int):
+    try:
+        from workers.ray_metrics import RunMetricsPublisher
+    except ImportError:  # the deployment's gauges are optional
+        return None
+    try:
+        return RunMetricsPublisher(run_id, run_name, rank)
+    except Exception:  # noqa: BLE001
+        logger.exception("metrics publisher unavailable")
+        return None
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    from api.schemas import Plan, RunSpec
+    from workers.loop import WorkerJob
+
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    channel = config["channel"]
+    run_id = config["run_id"]
+    spec = RunSpec.model_validate(config["spec"])
+    plan = Plan.model_validate(config["plan"])
+    if not dist.is_initialized():
+        raise RuntimeError("Ray Train did not initialise torch.distributed (TorchTrainer expected)")
+
+    # 1. where is everybody; TP groups must share a node
+    me = {"rank": rank, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
+          "local_rank": ctx.get_local_rank(), "host": os.uname().nodename}
+    ranks = _gather_objects(me)
+    rank_nodes = [r["node_id"] for r in ranks]
+    problem = check_tp_groups(rank_nodes, plan.tp)
+
+    # 2. the attempt (rank 0 registers it; everybody learns the number)
+    attempt = None
+    if rank == 0:
+        cause = None
+        if problem:
+            cause = f"placement check failed: {problem}"
+        attempt = ray.get(channel.begin_attempt.remote({"ranks": ranks, "cause": cause}), timeout=60)
+    attempt = _broadcast(attempt)
+    if problem:
+        raise TPGroupSplitError(problem)
+
+    # 3. where to resume from
+    ckpt = ray.train.get_checkpoint()
+    resume_cm = ckpt.as_directory() if ckpt is not None else contextlib.nullcontext(config.get("resume_from"))
+    local_root = Path(config.get("local_checkpoint_root") or tempfile.gettempdir()) / "meshrun-ckpt" / run_id
+    ckpt_dir = local_root / f"a{attempt}" / f"rank{rank}"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+
+    pub = _publisher(run_id, config.get("run_name") or run_id, rank) if rank == 0 else None
+    buffer: list[dict[str, Any]] = []
+    last = {"flush": time.monotonic(), "publish": 0.0, "row": None}
+
+    def flush() -> None:
+        if buffer:
+            channel.metrics.remote(attempt, list(buffer))  # fire and forget
+            buffer.clear()
+        last["flush"] = time.monotonic()
+        if pub is not None and last["row"] is not None:
+            pub.publish(last["row"])
+            last["row"] = None
+
+    def sink(row: dict[str, Any]) -> None:
+        clean = {k: v for k, v in row.items() if k != "peak_memory_bytes_per_rank"}
+        per_rank = row.get("peak_memory_bytes_per_rank")
+        if per_rank is not None:
+            clean["peak_memory_bytes_per_rank"] = list(per_rank)
+        buffer.append(clean)
+        last["row"] = row
+        now = time.monotonic()
+        if now - last["flush"] >= FLUSH_INTERVAL_S:
+            channel.metrics.remote(attempt, list(buffer))
+            buffer.clear()
+            last["flush"] = now
+        if pub is not None and now - last["publish"] >= PUBLISH_INTERVAL_S:
+            pub.publish(row)
+            last["publish"], last["row"] = now, None
+
+    def on_checkpoint(step: int, path: str | None) -> None:
+        if rank == 0:
+            flush()
+        if not path:
+            return
+        ray.train.report({"step": int(step), "attempt": attempt},
+                         checkpoint=ray.train.Checkpoint.from_directory(path),
+                         checkpoint_dir_name=f"step_{int(step):08d}_a{attempt}",
+                         delete_local_checkpoint_after_upload=True)
+
+    train_fn = _load(config.get("train_fn") or DEFAULT_TRAIN_FN)
+    try:
+        with resume_cm as resume_from:
+            if resume_from:
+                logger.info("rank %d: resuming from %s", rank, resume_from)
+            job = WorkerJob(spec=spec, plan=plan, run_id=run_id, attempt=attempt, checkpoint_dir=str(ckpt_dir),
+                            resume_from=str(resume_from) if resume_from else None)
+            summary = train_fn(job, sink=sink, on_checkpoint=on_checkpoint)
+    finally:
+        if rank == 0:
+            flush()  # also the rows before a failure
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+    if rank == 0:
+        summary = {k: v for k, v in (summary or {}).items() if k != "losses"}
+        ray.get(channel.done.remote(summary), timeout=60)
