@@ -958,15 +958,18 @@ def validate(file: Path = typer.Argument(..., help="Run spec (YAML/JSON)."),
     """Check a run spec locally (no service needed) and print the resolved plan."""
     import pydantic
 
-    from api.schemas import RunSpec
     from api.validation import SpecError, build_plan
+    from api.yamlio import parse_run_spec
 
     body = _usage(lambda: apply_overrides(_load_or_usage(file), set_))
     try:
-        spec = RunSpec.model_validate(body)
+        # the server's parse of a JSON body (what `meshrun submit` sends): valid here means accepted there
+        spec = parse_run_spec(body)
     except pydantic.ValidationError as e:
         first = e.errors()[0]
         _fail(f"{first['msg']}", EXIT_INVALID, param=".".join(str(p) for p in first["loc"]))
+    except (TypeError, ValueError) as e:  # data JSON cannot carry (a YAML date, NaN)
+        _fail(f"{file}: {e}; quote such values", EXIT_INVALID)
     try:
         p = build_plan(spec)
     except SpecError as e:
@@ -986,20 +989,13 @@ def validate(file: Path = typer.Argument(..., help="Run spec (YAML/JSON)."),
 @command(db_app, "upgrade")
 def db_upgrade(database_url: Optional[str] = typer.Option(None, help="SQLAlchemy URL (default: settings).")) -> None:
     """Migrate the database to the newest schema."""
+    from service.db import redact_url
     from service.migrate import upgrade
     from service.settings import Settings
 
     url = database_url or Settings().database_url
     upgrade(url)
-    out().print(f"[green]database is at the newest schema[/] ({_redact(url)})")
-
-
-def _redact(url: str) -> str:
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        creds, host = rest.rsplit("@", 1)
-        return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}"
-    return url
+    out().print(f"[green]database is at the newest schema[/] ({redact_url(url)})")
 
 
 @command(token_app, "create")

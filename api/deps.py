@@ -22,6 +22,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from api.errors import ApiError
+from service.db import session_scope
 from service.settings import Settings
 
 LOCAL_PROJECT = "default"
@@ -56,16 +57,8 @@ SettingsDep = Annotated[Settings, Depends(get_app_settings)]
 
 # ----------------------------------------------------------------------------------------------- session
 def get_session(request: Request) -> Iterator[Session]:
-    factory = request.app.state.session_factory
-    session: Session = factory()
-    try:
+    with session_scope(request.app.state.session_factory) as session:
         yield session
-        session.commit()
-    except BaseException:
-        session.rollback()
-        raise
-    finally:
-        session.close()
 
 
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
@@ -98,7 +91,8 @@ def _unauthenticated(message: str) -> ApiError:
     return ApiError(401, message, headers={"WWW-Authenticate": "Bearer"})
 
 
-def _principal_from_secret(request: Request, secret: str | None) -> Principal:
+def principal_from_secret(request: Request, secret: str | None) -> Principal:
+    """The Principal of an API token secret (401 ApiError when missing/invalid/revoked, 429 when rate limited)."""
     if not secret:
         raise _unauthenticated("authentication required: send 'Authorization: Bearer <token>' (create a token "
                                "with `meshrun token create --project P`)")
@@ -127,7 +121,7 @@ def authenticate(request: Request,
     """Router dependency with auth on (documents the Bearer scheme in OpenAPI)."""
     principal = getattr(request.state, "principal", None)
     if principal is None:
-        principal = _principal_from_secret(request, credentials.credentials if credentials else None)
+        principal = principal_from_secret(request, credentials.credentials if credentials else None)
         request.state.principal = principal
     return principal
 
@@ -152,7 +146,7 @@ def get_principal(request: Request) -> Principal:
         return local_user(request)
     header = request.headers.get("authorization", "")
     scheme, _, secret = header.partition(" ")
-    principal = _principal_from_secret(request, secret.strip() if scheme.lower() == "bearer" else None)
+    principal = principal_from_secret(request, secret.strip() if scheme.lower() == "bearer" else None)
     request.state.principal = principal
     return principal
 

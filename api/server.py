@@ -23,7 +23,7 @@ from api.deps import auth_dependencies
 from api.errors import ApiError, error_response, error_responses, install_error_handlers
 from api.routes import runs
 from service import migrate
-from service.db import make_engine, make_sessionmaker
+from service.db import make_engine, make_sessionmaker, redact_url
 from service.ratelimit import RateLimiter
 from service.settings import Settings, get_settings
 
@@ -86,14 +86,6 @@ class BodySizeLimitMiddleware:
 
 
 # ------------------------------------------------------------------------------------------------ app
-def _redacted(url: str) -> str:
-    from sqlalchemy.engine import make_url
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # noqa: BLE001
-        return "<database>"
-
-
 def _optional_router(module: str, attr: str) -> APIRouter | None:
     try:
         mod = importlib.import_module(module)
@@ -211,14 +203,14 @@ def _use_error_body_in_openapi(app: FastAPI) -> None:
 def _log_startup(settings: Settings, runtime: Any | None) -> None:
     if settings.auth_enabled:
         auth = "auth ON: every endpoint but /healthz needs 'Authorization: Bearer <token>' (meshrun token create)"
-    elif settings.host in ("127.0.0.1", "localhost", "::1"):
+    elif settings.listens_on_loopback:
         auth = ("auth OFF: embedded single-user default on loopback (set MESHRUN_AUTH=on, or listen beyond "
                 "loopback, to require tokens)")
     else:
         auth = f"auth OFF on {settings.host} (MESHRUN_AUTH=off): anyone who can reach this port can launch runs"
     sched = "scheduler running" if runtime is not None else "no scheduler in this process (runs stay QUEUED)"
-    log.info("meshrun %s: database %s; %s; %s", VERSION, _redacted(settings.database_url or ""), auth, sched)
-    if not settings.auth_enabled and settings.host not in ("127.0.0.1", "localhost", "::1"):
+    log.info("meshrun %s: database %s; %s; %s", VERSION, redact_url(settings.database_url or ""), auth, sched)
+    if not settings.auth_enabled and not settings.listens_on_loopback:
         log.warning("authentication is OFF while listening on %s", settings.host)
 
 

@@ -33,6 +33,15 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
     return create_engine(url, echo=echo, pool_pre_ping=True, pool_size=10, max_overflow=20)
 
 
+def redact_url(url: str) -> str:
+    """``url`` for logs: the password hidden (``***``); never raises (a log line must not fail)."""
+    from sqlalchemy.engine import make_url
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - a log line must never fail
+        return "<database>"
+
+
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(bind=engine, expire_on_commit=False)
 

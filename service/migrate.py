@@ -21,7 +21,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, text
 
-from service.db import make_engine
+from service.db import make_engine, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def upgrade(url: str, rev: str = "head") -> None:
     with _connection(url) as conn:
         command.upgrade(alembic_config(url, connection=conn), rev)
         conn.commit()
-    log.debug("database %s upgraded to %s", _redact(url), rev)
+    log.debug("database %s upgraded to %s", redact_url(url), rev)
 
 
 def downgrade(url: str, rev: str) -> None:
@@ -90,11 +90,3 @@ def current(url: str) -> str | None:
             return MigrationContext.configure(conn).get_current_revision()
     finally:
         engine.dispose()
-
-
-def _redact(url: str) -> str:
-    from sqlalchemy.engine import make_url
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # noqa: BLE001 - a log line must never fail
-        return "<database>"

@@ -3,7 +3,10 @@
 ``instrument_app(app, settings)`` (called by ``api.server.create_app``) adds:
 - a pure-ASGI middleware counting requests and timing them by route *template* (``/v1/runs/{run_id}``, never
   the raw path), method and status, and counting errors (5xx and unhandled exceptions);
-- ``GET /metrics`` (Prometheus text format, not behind API auth: keep it on the internal network);
+- ``GET /metrics`` (Prometheus text format). With auth off (the loopback embedded default) it is open; with auth
+  on (``settings.auth_enabled``) it needs ``Authorization: Bearer <token>`` with either an *admin* API token or
+  the dedicated scrape token ``MESHRUN_METRICS_TOKEN`` (401/403 with the standard error body otherwise: the
+  metrics name runs of every project);
 - a scrape-time collector that reads the run database through ``app.state.session_factory``: runs by status,
   queue length (QUEUED runs), database reachability and ping latency, and the latest training metrics of
   active and recently finished runs (loss, tokens/s, MFU, step time, peak memory, step) labelled by run;
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hmac
 import json
 import logging
 import sys
@@ -259,6 +263,38 @@ class RunsCollector(Collector):
 
 
 # ------------------------------------------------------------------------------------------- app wiring
+def _refuse_scrape(request: Any, settings: Any) -> Any | None:
+    """None when this request may read /metrics, else the error response (standard error body).
+
+    Auth off: open. Auth on: the bearer token must equal ``settings.metrics_token`` (MESHRUN_METRICS_TOKEN) or be
+    a live admin API token (verified like every API request, see ``api.deps.principal_from_secret``)."""
+    if settings is None or not getattr(settings, "auth_enabled", False):
+        return None
+    from api.errors import ApiError, error_response
+
+    scheme, _, secret = request.headers.get("authorization", "").partition(" ")
+    secret = secret.strip() if scheme.lower() == "bearer" else ""
+    if not secret:
+        return error_response(401, "unauthenticated", "authentication required: send 'Authorization: Bearer "
+                              "<token>' with the scrape token MESHRUN_METRICS_TOKEN or an admin API token",
+                              headers={"WWW-Authenticate": "Bearer"})
+    metrics_token = getattr(settings, "metrics_token", None)
+    if metrics_token and hmac.compare_digest(secret.encode(), metrics_token.encode()):
+        return None
+    if getattr(request.app.state, "session_factory", None) is None:
+        return error_response(401, "unauthenticated", "invalid token for /metrics",
+                              headers={"WWW-Authenticate": "Bearer"})
+    from api.deps import principal_from_secret
+    try:
+        principal = principal_from_secret(request, secret)
+    except ApiError as exc:
+        return error_response(exc.status_code, exc.code, exc.message, exc.param, headers=exc.headers)
+    if not principal.admin:
+        return error_response(403, "forbidden", "/metrics needs an admin token or the scrape token "
+                              "MESHRUN_METRICS_TOKEN: it exposes runs of every project")
+    return None
+
+
 def instrument_app(app: Any, settings: Any = None) -> CollectorRegistry:
     """Add request metrics, DB metrics and ``GET /metrics`` to a FastAPI/Starlette app (before it starts).
 
@@ -289,6 +325,10 @@ def instrument_app(app: Any, settings: Any = None) -> CollectorRegistry:
     app.add_middleware(PrometheusMiddleware, metrics=http, on_request=session_factory)
 
     def metrics_endpoint(request: Request) -> Response:
+        refused = _refuse_scrape(request, settings if settings is not None
+                                 else getattr(request.app.state, "settings", None))
+        if refused is not None:
+            return refused
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     app.add_route("/metrics", metrics_endpoint, methods=["GET"], include_in_schema=False)

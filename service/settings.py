@@ -13,6 +13,8 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MESHRUN_", env_file=None, extra="ignore")
@@ -45,6 +47,10 @@ class Settings(BaseSettings):
     log_json: bool = False
     log_level: str = "INFO"
     start_scheduler: bool = Field(True, description="Run admission/reconcile loops in the API process.")
+    metrics_token: str | None = Field(
+        None, description="MESHRUN_METRICS_TOKEN: a dedicated bearer token for Prometheus scrapes of /metrics "
+                          "(with auth on, /metrics needs this token or an admin API token; with auth off it is "
+                          "open).")
 
     @field_validator("database_url")
     @classmethod
@@ -52,7 +58,19 @@ class Settings(BaseSettings):
         if v is not None and "://" not in v:
             raise ValueError("MESHRUN_DATABASE_URL must be a SQLAlchemy URL such as "
                              "sqlite:///path/meshrun.db or postgresql+psycopg://user@host/db")
+        if v is not None and v.startswith("sqlite") and (v.rstrip("/").endswith(":memory:") or v.rstrip("/") in (
+                "sqlite:", "sqlite+pysqlite:") or "mode=memory" in v):
+            raise ValueError("MESHRUN_DATABASE_URL must not be an in-memory SQLite database: migrations and the "
+                             "service would each see their own empty database; use a file such as "
+                             "sqlite:////var/lib/meshrun/meshrun.db, or leave MESHRUN_DATABASE_URL unset for "
+                             "<data_dir>/meshrun.db")
         return v
+
+    @field_validator("metrics_token")
+    @classmethod
+    def _blank_is_unset(cls, v: str | None) -> str | None:
+        # compose passes ${MESHRUN_METRICS_TOKEN:-} as "": no scrape token (never "the empty token")
+        return v.strip() or None if v is not None else None
 
     @model_validator(mode="after")
     def _defaults(self) -> "Settings":
@@ -60,14 +78,20 @@ class Settings(BaseSettings):
             self.database_url = f"sqlite:///{self.data_dir / 'meshrun.db'}"
         if self.checkpoint_root is None:
             self.checkpoint_root = self.data_dir / "checkpoints"
-        if self.database_url.startswith("postgresql://"):
-            self.database_url = "postgresql+psycopg://" + self.database_url[len("postgresql://"):]
+        for scheme in ("postgresql://", "postgres://"):  # psycopg 3 is the installed driver
+            if self.database_url.startswith(scheme):
+                self.database_url = "postgresql+psycopg://" + self.database_url[len(scheme):]
         return self
+
+    @property
+    def listens_on_loopback(self) -> bool:
+        """True when ``host`` only accepts connections from this machine."""
+        return self.host in LOOPBACK_HOSTS
 
     @property
     def auth_enabled(self) -> bool:
         if self.auth == "auto":
-            return self.host not in ("127.0.0.1", "localhost", "::1")
+            return not self.listens_on_loopback
         return self.auth == "on"
 
     @property

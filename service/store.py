@@ -6,17 +6,18 @@ refuses illegal moves with ``Conflict`` and records a ``run_events`` row with it
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import func, select, text
+from sqlalchemy import false, func, or_, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from api.schemas import RunStatus
+from api.schemas import TERMINAL_STATUSES, RunStatus
 from service.models import Checkpoint, Metric, Run, RunAttempt, RunEvent, utcnow
 
 S = RunStatus
@@ -29,7 +30,7 @@ ALLOWED: dict[RunStatus, frozenset[RunStatus]] = {
     S.FAILED: frozenset({S.QUEUED}),
     S.CANCELLED: frozenset({S.QUEUED}),
 }
-TERMINAL = frozenset({S.SUCCEEDED, S.FAILED, S.CANCELLED})
+TERMINAL = TERMINAL_STATUSES
 
 METRIC_FIELDS = ("loss", "tokens_per_s", "step_time_s", "mfu", "peak_memory_bytes", "comm_fraction", "grad_norm",
                  "lr")
@@ -63,30 +64,41 @@ def _as_utc(dt: datetime | None) -> datetime | None:
 
 
 # ------------------------------------------------------------------------------------------------- runs
+def find_by_idempotency_key(session: Session, *, model: type = Run, project: str, key: str) -> Any | None:
+    """The row of ``model`` (a table with ``project`` and ``idempotency_key`` columns) that this project created
+    with this Idempotency-Key, or None."""
+    return session.scalar(select(model).where(model.project == project, model.idempotency_key == key))
+
+
 def create_run(session: Session, *, spec: dict[str, Any], plan: dict[str, Any] | None, project: str = "default",
                name: str | None = None, priority: int = 0, created_by: str | None = None,
                idempotency_key: str | None = None, sweep_id: str | None = None) -> tuple[Run, bool]:
     """Insert a QUEUED run. Returns (run, created). With an idempotency key already used in this project,
-    returns the existing run and created=False (a retried POST never makes two runs)."""
+    returns the existing run and created=False (a retried POST never makes two runs).
+
+    The insert runs in a SAVEPOINT: when a concurrent request with the same key wins the race, only the savepoint
+    is rolled back; the caller's earlier writes in this transaction survive."""
     if idempotency_key:
-        existing = session.scalar(select(Run).where(Run.project == project,
-                                                    Run.idempotency_key == idempotency_key))
+        existing = find_by_idempotency_key(session, project=project, key=idempotency_key)
         if existing is not None:
             return existing, False
     run = Run(id=new_id("run"), name=name or spec.get("name", "run"), project=project, status=S.QUEUED.value,
               priority=priority, spec=spec, plan=plan, created_by=created_by, idempotency_key=idempotency_key,
               sweep_id=sweep_id, status_reason="waiting for cluster capacity")
-    session.add(run)
-    session.add(RunEvent(run_id=run.id, kind="state", to_status=S.QUEUED.value, reason="submitted",
-                         actor=created_by))
+    if session.get_bind().dialect.name == "sqlite":
+        # pysqlite opens its transaction lazily, on the first INSERT/UPDATE/DELETE. A SAVEPOINT issued before that
+        # would itself be the outermost transaction and its RELEASE would COMMIT the caller's work: make sure the
+        # real transaction is open first (a no-op UPDATE makes pysqlite emit BEGIN).
+        session.execute(text("UPDATE runs SET id = id WHERE 1 = 0"))
     try:
-        session.flush()
+        with session.begin_nested():
+            session.add(run)
+            session.add(RunEvent(run_id=run.id, kind="state", to_status=S.QUEUED.value, reason="submitted",
+                                 actor=created_by))
     except IntegrityError:
-        # a concurrent request with the same idempotency key won the race
-        session.rollback()
+        # a concurrent request with the same idempotency key won the race (the savepoint is rolled back)
         if idempotency_key:
-            existing = session.scalar(select(Run).where(Run.project == project,
-                                                        Run.idempotency_key == idempotency_key))
+            existing = find_by_idempotency_key(session, project=project, key=idempotency_key)
             if existing is not None:
                 return existing, False
         raise
@@ -166,7 +178,11 @@ def transition(session: Session, *, run_id: str, to: RunStatus | str, reason: st
         if to in TERMINAL:
             run.finished_at = now
         if to == S.QUEUED:
+            # a resumed run starts over: no finish time, no summary or node placement of the previous attempt
+            # (ray_job_id is overwritten by the next submission)
             run.finished_at = None
+            run.summary = None
+            run.rank_nodes = None
     for k, v in fields.items():
         setattr(run, k, v)
     run.updated_at = now
@@ -220,6 +236,18 @@ def list_attempts(session: Session, *, run_id: str) -> list[RunAttempt]:
 
 
 # ---------------------------------------------------------------------------------------------- metrics
+def json_safe(x: Any) -> Any:
+    """``x`` with every non-finite float (NaN, +-inf) replaced by None, recursively through dicts, lists and
+    tuples. PostgreSQL rejects NaN inside JSON columns and SQLite silently stores NULL: store None explicitly."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
+
+
 def _insert_for(session: Session):
     name = session.get_bind().dialect.name
     if name == "postgresql":
@@ -238,12 +266,12 @@ def add_metrics(session: Session, *, run_id: str, attempt: int, rows: Iterable[d
             continue
         v: dict[str, Any] = {"run_id": run_id, "attempt": attempt, "step": int(r["step"])}
         for k in METRIC_FIELDS:
-            x = r.get(k)
+            x = json_safe(r.get(k))
             v[k] = int(x) if (k == "peak_memory_bytes" and x is not None) else x
         t = r.get("time")
         v["time"] = datetime.fromtimestamp(t, timezone.utc) if isinstance(t, (int, float)) else (t or utcnow())
         extra = {k: x for k, x in r.items() if k not in METRIC_FIELDS and k not in ("step", "time", "attempt")}
-        v["extra"] = extra or None
+        v["extra"] = json_safe(extra) or None
         values.append(v)
     if not values:
         return 0
@@ -261,13 +289,29 @@ def add_metrics(session: Session, *, run_id: str, attempt: int, rows: Iterable[d
 
 def list_metrics(session: Session, *, run_id: str, since_step: int = 0, attempt: int | None = None,
                  limit: int | None = None) -> list[Metric]:
-    """Per step, the row of the latest attempt that recorded it (a resumed run's replayed steps replace the
-    lost ones): every step exactly once, in step order. ``since_step`` is exclusive."""
+    """The run's metric history as one continuous series: every step exactly once, in step order.
+
+    An attempt that resumed from a checkpoint starts recording at the step after it; from that step on, rows
+    of EARLIER attempts belong to an abandoned trajectory and are hidden (even steps the new attempt has not
+    reached yet), so replayed steps replace the lost ones. ``since_step`` is exclusive; ``attempt`` returns
+    one attempt's raw rows."""
     stmt = select(Metric).where(Metric.run_id == run_id, Metric.step > since_step)
     if attempt is not None:
-        return list(session.scalars(stmt.where(Metric.attempt == attempt).order_by(Metric.step)).all())
+        stmt = stmt.where(Metric.attempt == attempt).order_by(Metric.step)
+        if limit:
+            stmt = stmt.limit(limit)
+        return list(session.scalars(stmt).all())
+    first_step = dict(session.execute(select(Metric.attempt, func.min(Metric.step)).where(Metric.run_id == run_id)
+                                      .group_by(Metric.attempt)).tuples().all())
+    current: list[Any] = []
+    resumed_at: int | None = None  # first step recorded by any later attempt
+    for a in sorted(first_step, reverse=True):
+        current.append((Metric.attempt == a) & (Metric.step < resumed_at) if resumed_at is not None
+                       else Metric.attempt == a)
+        resumed_at = first_step[a] if resumed_at is None else min(resumed_at, first_step[a])
     latest = (select(Metric.step, func.max(Metric.attempt).label("attempt"))
-              .where(Metric.run_id == run_id, Metric.step > since_step).group_by(Metric.step).subquery())
+              .where(Metric.run_id == run_id, Metric.step > since_step, or_(false(), *current))
+              .group_by(Metric.step).subquery())
     stmt = (select(Metric).join(latest, (Metric.step == latest.c.step) & (Metric.attempt == latest.c.attempt))
             .where(Metric.run_id == run_id).order_by(Metric.step))
     if limit:
@@ -283,10 +327,10 @@ def summarize_metrics(session: Session, *, run_id: str, warmup_steps: int = 0) -
     steady = [r for r in rows if r.step > warmup_steps] or rows
     tps = [r.tokens_per_s for r in steady if r.tokens_per_s is not None]
     mfu = [r.mfu for r in steady if r.mfu is not None]
-    return {"steps_done": rows[-1].step, "final_loss": rows[-1].loss,
-            "mean_tokens_per_s": sum(tps) / len(tps) if tps else None,
-            "mean_mfu": sum(mfu) / len(mfu) if mfu else None,
-            "peak_memory_bytes": max((r.peak_memory_bytes or 0) for r in rows) or None}
+    return json_safe({"steps_done": rows[-1].step, "final_loss": rows[-1].loss,
+                      "mean_tokens_per_s": sum(tps) / len(tps) if tps else None,
+                      "mean_mfu": sum(mfu) / len(mfu) if mfu else None,
+                      "peak_memory_bytes": max((r.peak_memory_bytes or 0) for r in rows) or None})
 
 
 # ------------------------------------------------------------------------------------------ checkpoints

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.schemas import Candidate, Plan, ResumeRequest, RunSpec, RunStatus
@@ -111,8 +110,7 @@ def submit_run(session: Session, *, spec: RunSpec, project: str, actor: str, can
     check_spec_policy(spec, can_run_code=can_run_code, settings=settings)
     spec_json = spec.model_dump(mode="json")
     if idempotency_key:
-        existing = session.scalar(select(Run).where(Run.project == project,
-                                                          Run.idempotency_key == idempotency_key))
+        existing = store.find_by_idempotency_key(session, model=Run, project=project, key=idempotency_key)
         if existing is not None:
             return _same_request(existing, spec_json, idempotency_key), False
     plan = check_fits(spec, build_plan(spec), runtime)

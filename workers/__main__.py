@@ -45,13 +45,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper() if rank == 0 else "WARNING",
                         format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s")
     import yaml
+
+    from api.yamlio import load_yaml
     from pydantic import ValidationError
 
     from api.schemas import RunSpec
     from api.validation import SpecError, build_plan
 
     try:
-        raw = yaml.safe_load(Path(args.spec).read_text())
+        raw = load_yaml(Path(args.spec).read_text())
     except (OSError, yaml.YAMLError) as e:
         return _fail(f"cannot read --spec {args.spec}: {e}")
     try:

@@ -339,13 +339,13 @@ def main(argv: list[str] | None = None) -> int:
     ins.add_argument("--code-dir", default=None, help="directory to put on sys.path (default: spec.code)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    import yaml
+    from api.yamlio import load_yaml
 
     raw = sys.stdin.read() if args.spec == "-" else Path(args.spec).read_text()
     try:
         from api.schemas import RunSpec
 
-        spec = RunSpec.model_validate(yaml.safe_load(raw) or {})
+        spec = RunSpec.model_validate(load_yaml(raw) or {})
         code_dir = args.code_dir or (spec.code.working_dir if spec.code else None)
         if code_dir and Path(code_dir).expanduser().is_dir():
             add_code_path(code_dir)

@@ -8,12 +8,12 @@ import math
 from datetime import datetime, timezone
 from typing import Annotated, Any
 
-import yaml
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
 from pydantic import BaseModel
 
 from api.deps import PrincipalDep, RuntimeDep, SessionDep, SettingsDep
 from api.errors import ApiError, error_responses
+from api.yamlio import YAMLError, load_yaml, parse_run_spec
 from api.schemas import (NAME_RE, CheckpointPublic, EventList, EventPublic, LogsPublic, MetricList, MetricRow,
                          ResumeRequest, RunList, RunPublic, RunSpec, RunStatus, RunSummary)
 from service import store, submission
@@ -138,9 +138,8 @@ def parse_body(body: bytes, content_type: str | None) -> tuple[Any, bool]:
                            code="malformed_body") from None
     elif media in YAML_TYPES:
         try:
-            loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-            data = yaml.load(body, Loader=loader)  # noqa: S506 - a safe loader: plain data only
-        except (yaml.YAMLError, ValueError, RecursionError) as e:
+            data = load_yaml(body)  # YAML-1.2 numbers: 3e-4 is a float, as in the SDK and the CLI
+        except (YAMLError, ValueError, RecursionError) as e:
             why = str(e).splitlines()[0][:200] if not isinstance(e, RecursionError) else "nested too deeply"
             raise ApiError(400, f"request body is not valid YAML ({why}); send a YAML mapping",
                            code="malformed_body") from None
@@ -159,7 +158,7 @@ async def spec_body(request: Request) -> RunSpec:
     hand-written YAML leniently (``"3e-4"`` is a number). ValidationError -> 422 naming the field."""
     data, is_json = parse_body(await request.body(), request.headers.get("content-type"))
     if is_json:
-        return RunSpec.model_validate_json(json.dumps(data), strict=True)
+        return parse_run_spec(data)  # the same strict parse `meshrun validate` uses
     return RunSpec.model_validate(data)
 
 

@@ -8,7 +8,7 @@ import os
 import random
 import time
 import uuid
-from typing import Any, Mapping, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 import httpx
 import pydantic
@@ -176,8 +176,10 @@ class BaseClient:
 
     def request(self, method: str, path: str, *, params: Mapping[str, Any] | None = None, json: Any = None,
                 idempotency_key: str | None = None, timeout: float | httpx.Timeout | None = None,
-                max_retries: int | None = None, headers: Mapping[str, str] | None = None) -> Any:
-        """Send one logical request (with retries) and return the decoded JSON body.
+                max_retries: int | None = None, headers: Mapping[str, str] | None = None,
+                on_retry: Callable[[], None] | None = None) -> Any:
+        """Send one logical request (with retries) and return the decoded JSON body. ``on_retry`` is called
+        before each retry (callers use it to know that an earlier attempt may have taken effect).
 
         POSTs carry an ``Idempotency-Key`` generated once here and reused by every retry, so a retry after
         a lost response returns the object the first attempt created instead of creating a second one."""
@@ -200,6 +202,8 @@ class BaseClient:
                     delay = self._retry_delay_s(attempt, None)
                     log.info("%s %s timed out; retry %d/%d in %.2fs", method, path, attempt + 1, retries, delay)
                     attempt += 1
+                    if on_retry is not None:
+                        on_retry()
                     self._sleep(delay)
                     continue
                 raise APITimeoutError(f"{method} {path} timed out after {retries + 1} attempt(s)", request=_req(e)) from e
@@ -209,6 +213,8 @@ class BaseClient:
                     log.info("%s %s failed (%s); retry %d/%d in %.2fs", method, path, e, attempt + 1, retries,
                              delay)
                     attempt += 1
+                    if on_retry is not None:
+                        on_retry()
                     self._sleep(delay)
                     continue
                 raise APIConnectionError(request=_req(e), message=f"could not reach the meshrun service at {self.base_url}: {e}. "
@@ -226,6 +232,8 @@ class BaseClient:
                          retries, delay)
                 response.close()
                 attempt += 1
+                if on_retry is not None:
+                    on_retry()
                 self._sleep(delay)
                 continue
             raise _error_from_response(response)

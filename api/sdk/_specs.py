@@ -23,11 +23,11 @@ def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     if p.suffix == ".json":
         data = json.loads(text)
     else:
-        import yaml  # lazy: only needed for YAML files
+        from api.yamlio import YAMLError, load_yaml  # YAML-1.2 numbers: "lr: 3e-4" is a float
 
         try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
+            data = load_yaml(text)
+        except YAMLError as e:
             raise ValidationError(f"{p}: not valid YAML: {e}", code="invalid_yaml", param=None,
                                   status_code=422) from e
     if not isinstance(data, dict):
@@ -51,16 +51,17 @@ def to_body(obj: SpecInput) -> dict[str, Any]:
 
 
 def _parse_scalar(text: str) -> Any:
-    import yaml
+    from api.yamlio import YAMLError, load_yaml  # same loader as spec files: "1e-3" is a float
 
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
+        return load_yaml(text)
+    except YAMLError:
         return text
 
 
 def apply_overrides(body: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
-    """Apply ``key.sub=value`` overrides in place (values parsed as YAML: ``3``, ``true``, ``[1, 2]``)."""
+    """Apply ``key.sub=value`` overrides in place (values parsed as YAML 1.2: ``3``, ``1e-3``, ``true``,
+    ``[1, 2]``)."""
     for item in overrides:
         if "=" not in item:
             raise ValidationError(f"override {item!r} must look like key.sub=value (e.g. layout.tp=2)",

@@ -15,7 +15,7 @@ from api.schemas import (
 )
 
 from ._base import tolerant_validate
-from ._errors import RunFailedError, WaitTimeoutError
+from ._errors import ConflictError, RunFailedError, WaitTimeoutError
 from ._specs import SpecInput, apply_overrides, parse_layout, to_body
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -26,6 +26,8 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("meshrun.client")
 
 SWEEP_TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
+_RESUMABLE_STATES = frozenset({RunStatus.FAILED.value, RunStatus.CANCELLED.value})
+_RESUMED_STATES = frozenset({RunStatus.QUEUED.value, RunStatus.STARTING.value, RunStatus.RUNNING.value})
 
 
 # ----------------------------------------------------------------------------------------------- objects
@@ -222,7 +224,18 @@ class Runs(_Resource):
         return [tolerant_validate(CheckpointPublic, c) for c in _items(data)]
 
     def cancel(self, run_id: str) -> Run:
-        data = self._client.request("POST", f"/v1/runs/{run_id}/cancel")
+        """Cancel a run. Safe to retry: when a retried cancel gets 409 because its first attempt (whose answer
+        was lost) already cancelled the run, the CANCELLED run is returned."""
+        retried: list[int] = []
+        try:
+            data = self._client.request("POST", f"/v1/runs/{run_id}/cancel", on_retry=lambda: retried.append(1))
+        except ConflictError:
+            if retried:
+                run = self.get(run_id)
+                if RunStatus(run.status) == RunStatus.CANCELLED:
+                    log.info("cancel of %s was retried and the run is CANCELLED: an earlier attempt did it", run_id)
+                    return run
+            raise
         return tolerant_validate(Run, data)._bind(self._client)
 
     def resume(self, run_id: str, *, layout: Layout | dict[str, Any] | str | None = None, batch: Any = None,
@@ -236,8 +249,23 @@ class Runs(_Resource):
             body["batch"] = to_body(batch)
         if steps is not None:
             body["steps"] = steps
-        data = self._client.request("POST", f"/v1/runs/{run_id}/resume", json=body,
-                                    idempotency_key=idempotency_key)
+        # The service does not honour Idempotency-Key on resume: with retries on, remember the run's state first,
+        # so a retry that gets 409 (its first attempt, whose answer was lost, already resumed the run) can tell.
+        before = self.get(run_id) if self._client.max_retries > 0 else None
+        retried: list[int] = []
+        try:
+            data = self._client.request("POST", f"/v1/runs/{run_id}/resume", json=body,
+                                        idempotency_key=idempotency_key, on_retry=lambda: retried.append(1))
+        except ConflictError:
+            if retried and before is not None:
+                run = self.get(run_id)
+                if RunStatus(run.status).value in _RESUMED_STATES and (
+                        RunStatus(before.status).value in _RESUMABLE_STATES
+                                                      or (run.attempts or 0) > (before.attempts or 0)):
+                    log.info("resume of %s was retried and the run is %s again: an earlier attempt did it",
+                             run_id, RunStatus(run.status).value)
+                    return run
+            raise
         return tolerant_validate(Run, data)._bind(self._client)
 
     def wait(self, run_id: str, *, progress: bool | Any = False, timeout: float | None = None,

@@ -277,11 +277,23 @@ def test_planner_prediction_attached_and_memory_refusal(client):
     assert run["plan"]["predicted"]["memory_bytes"]["total"] > 0
 
     client.app.state.runtime = FakeRuntime(ClusterSpec(device="H100", gpus_per_node=8, nodes=1,
-                                                       memory_bytes=1024))
+                                                       memory_bytes=2**20))
     err = _error(client.post("/v1/runs", json=SPEC), 422)
     assert err["code"] == "insufficient_memory" and err["param"] == "layout"
     assert "GiB" in err["message"] and "skip_memory_check" in err["message"]
     assert _submit(client, {**SPEC, "skip_memory_check": True})["plan"]["predicted"]["feasible"] is False
+
+
+def test_memory_refusal_names_the_best_feasible_alternative(client):
+    # 7B in bf16 under plain DDP needs ~16 bytes/param = ~112 GB per rank: no H100 holds it, but ZeRO-3
+    # over 8 ranks (~14 GB of model states) does, and the 422 must say so
+    client.app.state.runtime = FakeRuntime(ClusterSpec(device="H100", gpus_per_node=8, nodes=1))
+    big = {**SPEC, "name": "big", "model": {"name": "gpt", "preset": "7b"}, "precision": "bf16",
+           "layout": {"dp": 8}, "batch": {"global_batch_size": 8, "micro_batch_size": 1}}
+    err = _error(client.post("/v1/runs", json=big), 422)
+    assert err["code"] == "insufficient_memory" and err["param"] == "layout"
+    assert "best feasible alternative" in err["message"] and "zero" in err["message"].split("alternative")[1]
+    assert client.get("/v1/runs", params={"name": "big"}).json()["total"] == 0
 
 
 def test_never_fits_is_refused(client):

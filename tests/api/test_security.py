@@ -278,3 +278,79 @@ def test_rate_limiter_refills():
     assert rl.peek("k") is None and rl.hit("k") is None
     assert rl.hit("other") is None
     assert RateLimiter(0).hit("k") is None  # 0 disables
+
+
+def test_rate_limiter_memory_is_bounded_by_lru_eviction():
+    from service.ratelimit import MAX_BUCKETS, RateLimiter
+    now = [0.0]
+    rl = RateLimiter(2, clock=lambda: now[0], max_buckets=3)
+    for i in range(1000):  # a client cycling keys, every request allowed
+        assert rl.hit(f"cycle-{i}") is None
+        assert len(rl._buckets) <= 3
+    for key in ("a", "b", "c"):
+        rl.hit(key)
+    rl.hit("a"), rl.hit("a")  # "a" is exhausted and now the most recently used
+    rl.hit("d")  # evicts the least recently used: "b"
+    assert list(rl._buckets) == ["c", "a", "d"]
+    assert rl.hit("a") is not None  # a recently used bucket keeps its state (no reset by eviction)
+    assert RateLimiter(10).max_buckets == MAX_BUCKETS
+
+
+# ---------------------------------------------------------------------------------------------- /metrics
+METRICS_TOKEN = "scrape-" + "s" * 32
+
+
+def test_metrics_needs_an_admin_or_scrape_token_when_auth_is_on(make_client):
+    secured = make_client(auth="on", metrics_token=METRICS_TOKEN)
+    project_h = _token(secured, "a", "alice")
+    secured.post("/v1/runs", json={**SPEC, "name": "secret-run-name"}, headers=project_h)
+
+    err = _error(secured.get("/metrics"), 401)
+    assert err["code"] == "unauthenticated"
+    for bad in ("Bearer nonsense", "Bearer " + METRICS_TOKEN + "x", "Basic " + METRICS_TOKEN):
+        _error(secured.get("/metrics", headers={"Authorization": bad}), 401)
+    r = secured.get("/metrics", headers=project_h)  # a project token must not see other projects' runs
+    assert r.status_code in (401, 403) and "secret-run-name" not in r.text and "meshrun_" not in r.text
+    _error(r, r.status_code)
+
+    admin = secured.get("/metrics", headers=_token(secured, "ops", "root", admin=True))
+    scrape = secured.get("/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
+    for r in (admin, scrape):
+        assert r.status_code == 200, r.text
+        assert r.headers["content-type"].startswith("text/plain") and "meshrun_" in r.text
+
+
+def test_metrics_stay_open_with_auth_off(client):
+    assert client.app.state.settings.auth_enabled is False
+    assert client.get("/metrics").status_code == 200
+
+
+# ---------------------------------------------------------------------------------------------- settings
+def test_settings_refuse_in_memory_sqlite_and_normalise_postgres_urls(tmp_path):
+    from pydantic import ValidationError
+
+    from service.settings import Settings
+
+    for url in ("sqlite:///:memory:", "sqlite://", "sqlite+pysqlite:///:memory:"):
+        with pytest.raises(ValidationError, match="MESHRUN_DATABASE_URL.*in-memory.*sqlite:////"):
+            Settings(data_dir=tmp_path, database_url=url)
+    for url in ("postgres://u:p@db:5432/meshrun", "postgresql://u:p@db:5432/meshrun"):
+        assert Settings(data_dir=tmp_path, database_url=url).database_url == \
+            "postgresql+psycopg://u:p@db:5432/meshrun"
+    assert Settings(data_dir=tmp_path).database_url == f"sqlite:///{tmp_path / 'meshrun.db'}"
+
+
+@pytest.mark.parametrize("host,loopback", [("127.0.0.1", True), ("localhost", True), ("::1", True),
+                                           ("0.0.0.0", False), ("10.0.0.5", False)])
+def test_loopback_decides_default_auth(tmp_path, host, loopback):
+    from service.settings import Settings
+
+    s = Settings(data_dir=tmp_path, host=host)
+    assert s.listens_on_loopback is loopback and s.auth_enabled is (not loopback)
+
+
+def test_database_url_is_redacted_in_logs():
+    from service.db import redact_url
+
+    assert redact_url("postgresql+psycopg://meshrun:hunter2@db/meshrun") == "postgresql+psycopg://meshrun:***@db/meshrun"
+    assert "hunter2" not in redact_url("postgres://meshrun:hunter2@db/x")

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.service.pg import pg_available, pg_database
+from tests.service.pg import postgres_database
 from workers import ray_metrics
 
 pytestmark = [pytest.mark.ray, pytest.mark.postgres, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -184,10 +184,7 @@ def _alive_nodes(cluster: Cluster) -> list[dict]:
 # ----------------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def pg_url() -> Iterator[str]:
-    why = pg_available()
-    if why:
-        pytest.skip(why)
-    with pg_database("meshrun_test_deploy") as url:
+    with postgres_database("meshrun_test_deploy") as url:
         yield url
 
 

@@ -34,12 +34,9 @@ def _find(samples, name: str, **labels: str) -> float | None:
 
 @pytest.fixture(scope="module")
 def pg_url():
-    from tests.service.pg import pg_available, pg_database
+    from tests.service.pg import postgres_database
 
-    why = pg_available()
-    if why:
-        pytest.skip(why)
-    with pg_database("meshrun_test_obs") as url:
+    with postgres_database("meshrun_test_obs") as url:
         yield url
 
 
@@ -199,3 +196,39 @@ def test_text_logs_and_reconfigure_replaces_handler():
 def test_bad_log_level_names_the_setting():
     with pytest.raises(ValueError, match="MESHRUN_LOG_LEVEL"):
         obs.configure_logging(_S(False, "LOUD"), stream=io.StringIO())
+
+
+# --------------------------------------------------------------------------------------- /metrics scrape auth
+def test_compose_prometheus_sends_the_metrics_token_meshrun_expects():
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    services = yaml.safe_load((root / "docker-compose.yml").read_text())["services"]
+    prom = yaml.safe_load((root / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    job = next(j for j in prom["scrape_configs"] if j["job_name"] == "meshrun")
+    assert services["meshrun"]["environment"]["MESHRUN_AUTH"] == "on"  # so /metrics needs a token
+    creds = job["authorization"]["credentials_file"]
+    assert job["authorization"].get("type", "Bearer") == "Bearer"
+    # the same variable reaches meshrun (Settings.metrics_token) and the file Prometheus reads
+    token_ref = "${MESHRUN_METRICS_TOKEN:-}"
+    assert services["meshrun"]["environment"]["MESHRUN_METRICS_TOKEN"] == token_ref
+    assert services["prometheus"]["environment"]["MESHRUN_METRICS_TOKEN"] == token_ref
+    entry = " ".join(services["prometheus"]["entrypoint"])
+    assert f"> {creds}" in entry and "$$MESHRUN_METRICS_TOKEN" in entry and "exec /bin/prometheus" in entry
+    data_mount = next(v for v in services["prometheus"]["volumes"] if v.startswith("prometheus-data:"))
+    assert creds.startswith(data_mount.split(":")[1] + "/")  # written where the container may write
+
+
+def test_instrumented_app_requires_a_scrape_token_with_auth_on(tmp_path):
+    from service.settings import Settings
+
+    app = FastAPI()
+    obs.instrument_app(app, Settings(data_dir=tmp_path, auth="on", metrics_token="tok-" + "x" * 20))
+    client = TestClient(app)
+    r = client.get("/metrics")
+    assert r.status_code == 401 and set(r.json()["error"]) == {"code", "message", "param"}
+    assert client.get("/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert client.get("/metrics", headers={"Authorization": "Bearer tok-" + "x" * 20}).status_code == 200
+    assert Settings(data_dir=tmp_path, metrics_token="").metrics_token is None

@@ -212,8 +212,10 @@ def test_resume_parses_layout_string():
     seen = []
     c = make_client(lambda req: seen.append(req) or httpx.Response(200, json=run_body()))
     c.runs.resume("run_1", layout="dp=2,tp=1,zero=3", steps=40)
-    assert json.loads(seen[0].content) == {"layout": {"dp": 2, "tp": 1, "zero_stage": 3}, "steps": 40}
-    assert seen[0].url.path == "/v1/runs/run_1/resume"
+    posts = [r for r in seen if r.method == "POST"]
+    assert len(posts) == 1 and json.loads(posts[0].content) == {"layout": {"dp": 2, "tp": 1, "zero_stage": 3},
+                                                                "steps": 40}
+    assert posts[0].url.path == "/v1/runs/run_1/resume"
 
 
 def test_bad_override_and_layout_are_validation_errors():
@@ -269,3 +271,64 @@ def test_wait_progress_reports_steps_and_uses_since_step(capsys):
     assert since == [0, 3, 6]
     text = console.export_text()
     assert "9/50" in text and "loss 4.1000" in text and "tok/s" in text
+
+
+# ------------------------------------------------------------------------------- retried cancel / resume
+def _state_machine_server(status: str, attempts: int, *, lose_first_answer: bool):
+    """A run store behind a MockTransport: cancel/resume change the state (409 when not allowed); with
+    ``lose_first_answer`` the first state-changing POST takes effect but its answer is a 503."""
+    run = {"status": status, "attempts": attempts}
+    posts = []
+
+    def handler(req):
+        if req.method == "GET":
+            return httpx.Response(200, json=run_body(**run))
+        posts.append(req.headers.get("Idempotency-Key"))
+        action = req.url.path.rsplit("/", 1)[-1]
+        allowed = {"cancel": ("QUEUED", "STARTING", "RUNNING"), "resume": ("FAILED", "CANCELLED")}[action]
+        if run["status"] not in allowed:
+            return error(409, "conflict", f"run is {run['status']}", "status")
+        run["status"] = "CANCELLED" if action == "cancel" else "QUEUED"
+        if lose_first_answer and len(posts) == 1:
+            return error(503, "unavailable", "proxy lost the answer")
+        return httpx.Response(200, json=run_body(**run))
+
+    return handler, posts
+
+
+def test_retried_cancel_whose_first_attempt_succeeded_returns_the_cancelled_run():
+    handler, posts = _state_machine_server("RUNNING", 1, lose_first_answer=True)
+    run = make_client(handler, max_retries=2).runs.cancel("run_1")
+    assert run.status == "CANCELLED" and len(posts) == 2 and posts[0] == posts[1]
+
+
+def test_retried_resume_whose_first_attempt_succeeded_returns_the_requeued_run():
+    handler, posts = _state_machine_server("FAILED", 1, lose_first_answer=True)
+    run = make_client(handler, max_retries=2).runs.resume("run_1", steps=10)
+    assert run.status == "QUEUED" and len(posts) == 2
+
+
+def test_conflicts_without_a_retry_still_raise():
+    handler, _ = _state_machine_server("SUCCEEDED", 1, lose_first_answer=False)
+    c = make_client(handler, max_retries=2)
+    with pytest.raises(sdk.ConflictError):
+        c.runs.cancel("run_1")  # a finished run cannot be cancelled: no retry happened, the 409 stands
+    with pytest.raises(sdk.ConflictError):
+        c.runs.resume("run_1")  # SUCCEEDED is final
+    handler, _ = _state_machine_server("RUNNING", 1, lose_first_answer=False)
+    with pytest.raises(sdk.ConflictError):
+        make_client(handler, max_retries=2).runs.resume("run_1")  # already running before the call
+
+
+def test_retried_resume_of_a_run_that_was_already_running_still_raises():
+    calls = []
+
+    def handler(req):
+        if req.method == "GET":
+            return httpx.Response(200, json=run_body(status="RUNNING", attempts=1))
+        calls.append(req)
+        return error(503, "x", "busy") if len(calls) == 1 else error(409, "conflict", "run is RUNNING")
+
+    with pytest.raises(sdk.ConflictError):
+        make_client(handler, max_retries=2).runs.resume("run_1")
+    assert len(calls) == 2

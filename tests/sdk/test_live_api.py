@@ -234,3 +234,42 @@ def test_plans_create_keywords_and_file(client):
     with pytest.raises(sdk.ValidationError) as ei:
         client.plans.create(model={"name": "gpt", "preset": "7b"}, global_batch_size=512, layout="tp=3")
     assert ei.value.param and ei.value.param.startswith("layout")
+
+
+# ------------------------------------------------------------------------------------ YAML 1.2 numbers
+def test_exponent_floats_from_set_and_yaml_files_submit(client, tmp_path):
+    run = client.runs.create({"name": uname("lr")}, overrides=["optimizer.lr=1e-3", "optimizer.weight_decay=1E-2"])
+    assert (run.spec.optimizer.lr, run.spec.optimizer.weight_decay) == (1e-3, 1e-2)
+    spec = tmp_path / "lr.yaml"
+    spec.write_text(f"name: {uname('lr')}\noptimizer:\n  lr: 3e-4\n  min_lr_ratio: 5e-2\ntrain:\n  steps: 10\n")
+    run = client.runs.create(spec)
+    assert (run.spec.optimizer.lr, run.spec.optimizer.min_lr_ratio) == (3e-4, 5e-2)
+    assert sdk.load_file(spec)["optimizer"]["lr"] == 3e-4
+
+
+def test_yaml_request_body_reads_exponent_floats(api_server):
+    body = f"name: {uname('yaml')}\noptimizer:\n  lr: 2e-4\n".encode()
+    r = httpx.post(f"{api_server.url}/v1/runs", content=body, headers={"Content-Type": "application/yaml"})
+    assert r.status_code == 201, r.text
+    assert r.json()["spec"]["optimizer"]["lr"] == 2e-4
+
+
+def test_validate_accepts_exactly_what_submit_accepts(client, tmp_path):
+    from typer.testing import CliRunner
+
+    from api.cli import app
+
+    runner = CliRunner()
+    good = tmp_path / "good.yaml"
+    good.write_text(f"name: {uname('v')}\noptimizer:\n  lr: 3e-4\n")
+    r = runner.invoke(app, ["validate", str(good), "--set", "optimizer.lr=1e-3"])
+    assert r.exit_code == 0, r.output
+    assert client.runs.create(good, overrides=["optimizer.lr=1e-3"]).spec.optimizer.lr == 1e-3
+
+    strict = tmp_path / "strict.yaml"  # a quoted number: the server's strict JSON parse refuses it
+    strict.write_text(f"name: {uname('v')}\ntrain:\n  steps: '12'\n")
+    r = runner.invoke(app, ["validate", str(strict)])
+    assert r.exit_code != 0 and "train.steps" in r.output
+    with pytest.raises(sdk.ValidationError) as ei:
+        client.runs.create(strict)
+    assert ei.value.param == "train.steps"

@@ -10,7 +10,7 @@ from sqlalchemy import inspect
 from service import migrate
 from service.db import make_engine
 from service.models import Base
-from tests.service.pg import pg_available, pg_database
+from tests.service.pg import postgres_database
 
 TABLES = {"runs", "run_attempts", "metrics", "run_events", "checkpoints", "sweeps", "trials", "calibrations",
           "api_tokens"}
@@ -21,10 +21,7 @@ def db_url(request, tmp_path):
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'm.db'}"
         return
-    why = pg_available()
-    if why:
-        pytest.skip(why)
-    with pg_database("meshrun_test_migr") as url:
+    with postgres_database("meshrun_test_migr") as url:
         yield url
 
 
