@@ -103,6 +103,13 @@ class Runtime:
             return
         with self._tick_lock:
             self.scheduler.tick()
+            try:
+                from service import sweeps
+
+                sweeps.reconcile_sweeps(self)
+                sweeps.start_queued_sweeps(self)
+            except Exception:  # noqa: BLE001 - a sweep problem must not stop run admission
+                logger.exception("sweep reconcile/admission failed")
 
     def wake(self) -> None:
         self._wake.set()

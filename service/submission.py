@@ -69,7 +69,14 @@ def predict(spec: RunSpec, plan: Plan, runtime: Any | None) -> tuple[Candidate |
     cluster = runtime.planning_cluster()
     if cluster is None:
         return None, None
-    return planner.predict_run(spec, plan, cluster), cluster
+    return planner.predict_run(spec, plan, cluster, factors=_factors(runtime, cluster)), cluster
+
+
+def _factors(runtime: Any | None, cluster: Any) -> Any:
+    """The latest calibration for this cluster (fitted by a sweep), or None for the planner's defaults."""
+    from service.calibration import factors_for
+
+    return factors_for(getattr(runtime, "factory", None), cluster)
 
 
 def check_fits(spec: RunSpec, plan: Plan, runtime: Any | None) -> Plan:
@@ -89,7 +96,7 @@ def check_fits(spec: RunSpec, plan: Plan, runtime: Any | None) -> Plan:
             best = getattr(_planner(), "best_alternative", None)
             if best is not None:
                 try:
-                    alt = best(spec, cluster)
+                    alt = best(spec, cluster, factors=_factors(runtime, cluster))
                 except Exception:  # noqa: BLE001 - a hint must not turn a 422 into a 500
                     log.exception("planner.best_alternative failed")
             msg += (f"; best feasible alternative: {_describe_candidate(alt)}" if alt is not None
@@ -150,6 +157,10 @@ def cancel_run(session: Session, *, run_id: str, scope: str | None, actor: str, 
             if status.terminal:
                 raise store.Conflict(f"run '{run_id}' is already {status.value}; nothing to cancel",
                                      param="status") from None
+    if run.sweep_id and status in (RunStatus.STARTING, RunStatus.RUNNING):
+        from service.sweeps import cancel_trial_run  # a trial's Ray Job is its sweep's: stop only this trial
+
+        return cancel_trial_run(session, run=run, actor=actor)
     if runtime is None or not hasattr(runtime, "cancel_run"):
         raise RuntimeUnavailable(f"run '{run_id}' is {status.value} and this API process runs no scheduler to stop "
                                  "it; send the request to the service that runs the scheduler")

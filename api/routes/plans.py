@@ -51,7 +51,11 @@ def _resolve_cluster(requested: ClusterSpec, request: Request) -> ClusterSpec:
 def create_plan(req: PlanRequest, request: Request) -> PlanResponse:
     """With ``layout``: that layout scored (one candidate; 422 if the model cannot run it). Without: the
     ``top_k`` fastest feasible layouts, with rejected ones and why."""
+    from service.calibration import factors_for
+
     cluster = _resolve_cluster(req.cluster, request)
     if cluster is not req.cluster:
         req = req.model_copy(update={"cluster": cluster})
-    return planner.search(req)
+    # a cluster that a sweep has measured is planned with the fitted factors (None: the planner's defaults)
+    factors = factors_for(getattr(request.app.state, "session_factory", None), cluster)
+    return planner.search(req, factors=factors)

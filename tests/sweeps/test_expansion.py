@@ -1,0 +1,114 @@
+"""Search-space expansion: validation, planner predictions, infeasible/unplaceable/over-budget candidates, auto."""
+
+from __future__ import annotations
+
+import pytest
+
+from api.schemas import Layout, SweepCreate
+from api.validation import SpecError, check_spec
+from service.sweeps import TrialStatus, best_trial, expand, trial_spec
+from tests.sweeps.conftest import FakeRuntime, cpu_cluster, tiny_base
+
+LAYOUTS = [{"dp": 2}, {"tp": 2}, {"pp": 2}, {"dp": 2, "tp": 2}, {"tp": 3}]
+
+
+def make(**over) -> SweepCreate:
+    body = {"name": "sw", "base": tiny_base(), "search": {"layouts": LAYOUTS, "micro_batch_sizes": [1, 2]},
+            "budget": {"max_trials": 16, "steps_per_trial": 6, "warmup_steps": 2}}
+    body.update(over)
+    return SweepCreate.model_validate(body)
+
+
+def test_trial_spec_overrides_layout_batch_steps_and_checkpointing():
+    create = make(base=tiny_base(checkpoint={"every_steps": 5}))
+    spec = trial_spec(create, {"dp": 2, "tp": 2}, 1, name="sw-t3", labels={"trial": "3"})
+    assert spec.layout == Layout(dp=2, tp=2)
+    assert spec.batch.micro_batch_size == 1 and spec.batch.global_batch_size == 8
+    assert spec.train.steps == 6 and spec.checkpoint.every_steps == 0
+    assert spec.name == "sw-t3" and spec.labels["trial"] == "3"
+    assert check_spec(spec).ok
+
+
+def test_explicit_grid_skips_invalid_with_the_field_and_predicts_the_rest():
+    drafts = expand(make(), cluster=cpu_cluster(), never_fits=None)
+    assert len(drafts) == 10
+    by = {(d.layout.dp, d.layout.tp, d.layout.pp, d.micro_batch_size): d for d in drafts}
+    for mb in (1, 2):
+        bad = by[(1, 3, 1, mb)]
+        assert bad.status == TrialStatus.SKIPPED
+        assert "layout.tp" in bad.reason and "tp=3" in bad.reason
+    runnable = [d for d in drafts if d.status == TrialStatus.PENDING]
+    assert len(runnable) == 8
+    assert all(d.predicted is not None and d.predicted.tokens_per_s > 0 and d.predicted.feasible for d in runnable)
+
+
+def test_without_a_cluster_nothing_is_predicted_and_auto_is_refused():
+    drafts = expand(make(), cluster=None)
+    assert all(d.predicted is None for d in drafts)
+    with pytest.raises(SpecError) as e:
+        expand(make(search={"layouts": "auto"}), cluster=None)
+    assert e.value.param == "search.layouts"
+
+
+def test_predicted_oom_is_skipped_unless_skip_memory_check():
+    tiny_mem = cpu_cluster(memory_bytes=1 << 20)  # 1 MiB per worker: nothing fits
+    drafts = expand(make(search={"layouts": [{"dp": 2}]}), cluster=tiny_mem)
+    assert [d.status for d in drafts] == [TrialStatus.SKIPPED]
+    assert drafts[0].reason.startswith("predicted not to fit") and "skip_memory_check" in drafts[0].reason
+    forced = expand(make(search={"layouts": [{"dp": 2}]}, base=tiny_base(skip_memory_check=True)), cluster=tiny_mem)
+    assert forced[0].status == TrialStatus.PENDING and "run anyway" in forced[0].reason
+
+
+def test_unplaceable_layout_is_skipped_with_the_capacity_reason(tmp_path):
+    rt = FakeRuntime(None, None, cpus=4)
+    drafts = expand(make(search={"layouts": [{"dp": 2}, {"dp": 8}], "micro_batch_sizes": [1]}), cluster=cpu_cluster(4),
+                    never_fits=rt.never_fits)
+    assert drafts[0].status == TrialStatus.PENDING
+    assert drafts[1].status == TrialStatus.SKIPPED and drafts[1].reason.startswith("cannot be placed")
+
+
+def test_budget_keeps_the_predicted_fastest():
+    create = make(budget={"max_trials": 3, "steps_per_trial": 6, "warmup_steps": 2})
+    drafts = expand(create, cluster=cpu_cluster())
+    kept = [d for d in drafts if d.status == TrialStatus.PENDING]
+    over = [d for d in drafts if d.reason and d.reason.startswith("over budget")]
+    assert len(kept) == 3 and len(over) == 5
+    assert min(d.predicted.tokens_per_s for d in kept) >= max(d.predicted.tokens_per_s for d in over)
+
+
+def test_warmup_must_leave_measured_steps():
+    with pytest.raises(SpecError) as e:
+        expand(make(budget={"steps_per_trial": 4, "warmup_steps": 4}), cluster=None)
+    assert e.value.param == "budget.warmup_steps"
+
+
+def test_auto_gives_feasible_planner_candidates_best_first():
+    create = make(search={"layouts": "auto"}, budget={"max_trials": 4, "steps_per_trial": 6, "warmup_steps": 2})
+    drafts = expand(create, cluster=cpu_cluster(4))
+    assert 1 <= len(drafts) <= 4 * 3  # top_k per world size, merged
+    pending = [d for d in drafts if d.status == TrialStatus.PENDING]
+    assert 1 <= len(pending) <= 4
+    preds = [d.predicted.tokens_per_s for d in pending]
+    assert preds == sorted(preds, reverse=True)
+    for d in pending:
+        assert d.layout.world_size <= 4 and d.predicted.feasible
+        assert check_spec(trial_spec(create, d.layout, d.micro_batch_size)).ok
+
+
+def test_auto_keeps_the_base_world_size():
+    create = make(base=tiny_base(layout={"dp": 2}), search={"layouts": "auto"})
+    drafts = expand(create, cluster=cpu_cluster(6))
+    assert drafts and all(d.layout.world_size == 2 for d in drafts)
+
+
+class _T:
+    def __init__(self, id, status, tps, mfu=None):  # noqa: A002
+        self.id, self.status, self.measured_tokens_per_s, self.measured_mfu = id, status, tps, mfu
+
+
+def test_best_trial_is_the_highest_measured_among_finished_ones():
+    trials = [_T(1, "SUCCEEDED", 100.0, 0.2), _T(2, "FAILED", 500.0, 0.9), _T(3, "EARLY_STOPPED", 40.0, 0.5),
+              _T(4, "SUCCEEDED", 300.0, 0.1), _T(5, "SKIPPED", None)]
+    assert best_trial(trials, "tokens_per_s").id == 4
+    assert best_trial(trials, "mfu").id == 3
+    assert best_trial([_T(1, "FAILED", 10.0)], "tokens_per_s") is None
