@@ -78,9 +78,9 @@ def node_ip_address() -> str:
     return get_node_ip_address()
 
 
-def _ray_bin() -> str:
-    cand = Path(sys.executable).with_name("ray")
-    return str(cand) if cand.exists() else "ray"
+def ray_cli() -> list[str]:
+    """The ``ray`` command of THIS interpreter's Ray (a venv may have no ``ray`` script beside python)."""
+    return [sys.executable, "-m", "ray.scripts.scripts"]
 
 
 def _set_auth_env(env: dict[str, str] | os._Environ, *, token_path: Path | None) -> None:
@@ -208,7 +208,7 @@ class RayCluster:
         self.gcs_port = free_port(self.gcs_port)
         self.dashboard_port = free_port(self.dashboard_port)
         metrics_port = free_port(self.metrics_export_port)
-        cmd = [_ray_bin(), "start", "--head", "--block", "--disable-usage-stats",
+        cmd = [*ray_cli(), "start", "--head", "--block", "--disable-usage-stats",
                f"--port={self.gcs_port}",
                "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
                f"--metrics-export-port={metrics_port}",

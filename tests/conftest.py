@@ -116,11 +116,11 @@ class RayTestCluster:
         return [n for n in self.head.nodes() if n.alive]
 
     def add_node(self, *, num_cpus: int = 4, timeout_s: float = 90.0) -> ExtraNode:
-        from service.ray_cluster import free_port
+        from service.ray_cluster import free_port, ray_cli
 
         before = {n.node_id for n in self.alive_nodes()}
         base = 40000 + secrets.randbelow(200) * 100
-        cmd = [str(Path(sys.executable).with_name("ray")), "start", f"--address={self.address}", "--block",
+        cmd = [*ray_cli(), "start", f"--address={self.address}", "--block",
                "--disable-usage-stats", f"--num-cpus={num_cpus}", "--num-gpus=0",
                f"--metrics-export-port={free_port(None)}", f"--dashboard-agent-listen-port={free_port(None)}",
                f"--dashboard-agent-grpc-port={free_port(None)}", f"--runtime-env-agent-port={free_port(None)}",

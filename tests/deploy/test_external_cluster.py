@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 
+from service.ray_cluster import ray_cli
 from tests.service.pg import postgres_database
 from workers import ray_metrics
 
@@ -161,7 +162,7 @@ def _ray_env() -> dict[str, str]:
 
 def _ray_start(cluster: Cluster, args: list[str], *, name: str, worker_ports: tuple[int, int]) -> None:
     log = cluster.tmp / f"{name}.log"
-    cmd = [str(Path(sys.executable).with_name("ray")), "start", *args, "--block", "--disable-usage-stats",
+    cmd = [*ray_cli(), "start", *args, "--block", "--disable-usage-stats",
            f"--num-cpus={NODE_CPUS}", f"--temp-dir={cluster.tmp / 'ray'}",
            f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
            f"--runtime-env-agent-port={_free_port()}",
