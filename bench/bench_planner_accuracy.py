@@ -39,6 +39,7 @@ import yaml  # noqa: E402
 
 from api.schemas import ClusterSpec, Layout, ModelSpec, RunSpec  # noqa: E402
 from api.validation import build_plan, check_spec  # noqa: E402
+from service.calibration import spearman  # noqa: E402
 from service.planner import evaluate  # noqa: E402
 
 MiB = 1 << 20
@@ -95,27 +96,6 @@ def _model_bytes(c) -> int:
     return m.params + m.grads + m.optimizer + m.activations
 
 
-def spearman(xs: list[float], ys: list[float]) -> float:
-    """Spearman rank correlation (average ranks for ties)."""
-    def ranks(v: list[float]) -> list[float]:
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2 + 1
-            i = j + 1
-        return r
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
-    return cov / var if var else float("nan")
-
-
 def run_layout(spec: RunSpec, world: int, threads: int, workdir: Path, *, timeout_s: int) -> list[dict]:
     spec_path, metrics = workdir / "spec.yaml", workdir / "metrics.jsonl"
     spec_path.write_text(yaml.safe_dump(spec.model_dump(mode="json", exclude_defaults=True)))
@@ -129,6 +109,11 @@ def run_layout(spec: RunSpec, world: int, threads: int, workdir: Path, *, timeou
     if proc.returncode != 0:
         raise RuntimeError(f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-600:]}")
     return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+
+
+def _rho(pairs: list[tuple[float, float]]) -> str:
+    rho = spearman(*map(list, zip(*pairs)))
+    return "n/a" if rho is None else f"{rho:.2f}"
 
 
 def main() -> int:
@@ -218,10 +203,10 @@ def main() -> int:
               f"predicted model memory) {statistics.median(implied) / MiB:.0f} MiB, planner allowance incl. "
               f"buffers {reserved / MiB:.0f} MiB")
     if len(mem_pairs) >= 3:
-        print(f"peak memory ranking: Spearman rho = {spearman(*map(list, zip(*mem_pairs))):.2f} over "
+        print(f"peak memory ranking: Spearman rho = {_rho(mem_pairs)} over "
               f"{len(mem_pairs)} layouts")
     if len(step_pairs) >= 3:
-        print(f"step time ranking: Spearman rho = {spearman(*map(list, zip(*step_pairs))):.2f} over "
+        print(f"step time ranking: Spearman rho = {_rho(step_pairs)} over "
               f"{len(step_pairs)} layouts")
     elif not dry:
         print("too few successful runs for a ranking")

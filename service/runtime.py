@@ -28,30 +28,15 @@ CANCEL_WAIT_S = 20.0
 CLUSTER_CACHE_S = 2.0
 
 
-_cpu_peak: float | None = None
 _cpu_peak_lock = threading.Lock()
 
 
-def cpu_peak_flops_per_s(*, seconds: float = 0.2, n: int = 512) -> float:
+def cpu_peak_flops_per_s() -> float:
     """fp32 matmul FLOP/s of one CPU core (a 1-CPU worker's peak), measured once per process."""
-    global _cpu_peak
     with _cpu_peak_lock:
-        if _cpu_peak is None:
-            import torch
+        from workers.metrics import measured_cpu_peak_flops
 
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
-                a, b = torch.randn(n, n), torch.randn(n, n)
-                a @ b
-                iters, t0 = 0, time.perf_counter()
-                while time.perf_counter() - t0 < seconds:
-                    a @ b
-                    iters += 1
-                _cpu_peak = 2.0 * n ** 3 * iters / (time.perf_counter() - t0)
-            finally:
-                torch.set_num_threads(threads)
-        return _cpu_peak
+        return measured_cpu_peak_flops(seconds=0.2, n=512, threads=1)
 
 
 class Runtime:

@@ -18,7 +18,6 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field

@@ -157,18 +157,25 @@ GPU_PEAK_FLOPS = {
 _cpu_peak: float | None = None
 
 
-def measured_cpu_peak_flops(*, seconds: float = 0.3, n: int = 1024) -> float:
-    """fp32 matmul FLOP/s this process reaches with its current thread count (cached per process)."""
+def measured_cpu_peak_flops(*, seconds: float = 0.3, n: int = 1024, threads: int | None = None) -> float:
+    """fp32 matmul FLOP/s this process reaches (cached per process): with its current thread count, or with
+    ``threads`` threads for the measurement (the service measures one core, i.e. a 1-CPU worker)."""
     global _cpu_peak
     if _cpu_peak is None:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        for _ in range(2):  # warm up the BLAS threads
-            a @ b
-        iters, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            a @ b
-            iters += 1
-        _cpu_peak = 2.0 * n ** 3 * iters / (time.perf_counter() - t0)
+        before = torch.get_num_threads()
+        if threads is not None:
+            torch.set_num_threads(threads)
+        try:
+            a, b = torch.randn(n, n), torch.randn(n, n)
+            for _ in range(2):  # warm up the BLAS threads
+                a @ b
+            iters, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                a @ b
+                iters += 1
+            _cpu_peak = 2.0 * n ** 3 * iters / (time.perf_counter() - t0)
+        finally:
+            torch.set_num_threads(before)
     return _cpu_peak
 
 

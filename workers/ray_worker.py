@@ -96,7 +96,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     from workers.loop import WorkerJob
 
     ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    rank = ctx.get_world_rank()
     channel = config["channel"]
     run_id = config["run_id"]
     spec = RunSpec.model_validate(config["spec"])

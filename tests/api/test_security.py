@@ -8,7 +8,7 @@ import json
 import pytest
 from sqlalchemy import select, text
 
-from service import auth, store
+from service import auth
 from service.models import ApiToken
 
 SPEC = {"name": "sec", "layout": {"dp": 2}, "batch": {"global_batch_size": 8, "micro_batch_size": 2}}

@@ -434,8 +434,8 @@ def test_run_spans_two_external_ray_nodes_with_postgres_and_metrics(pg_url, exte
     rank0_port = port_of_node[run["rank_nodes"]["0"]]
     assert rank0_port in external_cluster.metrics_ports
     seen = poller.seen[rank0_port]
-    for field in ("loss", "tokens_per_s", "mfu", "step_time_s", "step"):
-        assert ray_metrics.PROMETHEUS_NAMES[field] in seen, (field, sorted(seen))
+    for name in ("loss", "tokens_per_s", "mfu", "step_time_s", "step"):
+        assert ray_metrics.PROMETHEUS_NAMES[name] in seen, (name, sorted(seen))
     steps_seen = seen[ray_metrics.PROMETHEUS_NAMES["step"]]
     assert set(steps_seen) == {"0"} and 1 <= steps_seen["0"] <= spec["train"]["steps"], steps_seen
     assert set(seen[ray_metrics.PROMETHEUS_NAMES["peak_memory_bytes"]]) == {"0", "1", "2", "3"}
