@@ -159,18 +159,9 @@ def play_when_submitted(server: LiveServer, name: str, **kw: Any) -> threading.T
 @pytest.fixture(scope="session")
 def ray_service_url(request: pytest.FixtureRequest) -> str:
     """URL of the Ray-backed live service: MESHRUN_TEST_URL (any running service with its scheduler), else the
-    ``live_service`` fixture of tests/conftest.py; skips where neither exists."""
+    ``live_service`` fixture of tests/conftest.py (a real local Ray cluster)."""
     import os
 
     if os.environ.get("MESHRUN_TEST_URL"):
         return os.environ["MESHRUN_TEST_URL"]
-    try:
-        svc = request.getfixturevalue("live_service")
-    except pytest.FixtureLookupError:
-        pytest.skip("the Ray-backed live_service fixture (tests/conftest.py) is not available")
-    for attr in ("url", "base_url"):
-        if hasattr(svc, attr):
-            return str(getattr(svc, attr))
-    if isinstance(svc, dict) and "url" in svc:
-        return str(svc["url"])
-    return str(svc)
+    return str(request.getfixturevalue("live_service").url)
