@@ -2,5 +2,5 @@
 
 Importing this module loads httpx and pydantic only (never torch or ray)."""
 
-from api.sdk import *  # noqa: F401,F403
+from api.sdk import *  # noqa: F403
 from api.sdk import __all__  # noqa: F401

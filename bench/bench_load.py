@@ -79,7 +79,7 @@ def _service(database_url: str, port: int):
            "MESHRUN_PORT": str(port), "MESHRUN_START_SCHEDULER": "false", "MESHRUN_AUTH": "off",
            "MESHRUN_RATE_LIMIT_PER_MINUTE": "0", "MESHRUN_LOG_LEVEL": "WARNING",
            "MESHRUN_DATA_DIR": tempfile.mkdtemp(prefix="meshrun-bench-"), "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-c", "from api.server import serve; serve()"], env=env, cwd=ROOT)
+    proc = subprocess.Popen([sys.executable, "-c", "from service.app.server import serve; serve()"], env=env, cwd=ROOT)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -142,8 +142,8 @@ async def _client(base: str, deadline: float, stats: Stats, rng: random.Random) 
 def _verify(database_url: str, stats: Stats) -> list[str]:
     from sqlalchemy import func, select
 
-    from service.db import make_engine
-    from service.models import Run
+    from service.store.db import make_engine
+    from service.store.models import Run
     problems = []
     engine = make_engine(database_url)
     try:

@@ -16,8 +16,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from api.schemas import ClusterSpec, ModelSpec, PlanRequest  # noqa: E402
-from service.planner import search  # noqa: E402
+from api.spec import ClusterSpec, ModelSpec, PlanRequest
+from service.planner import search
 
 GiB = 1 << 30
 
@@ -29,6 +29,7 @@ CASES = [
     ("13b", "A100-80GB", 4, 8, 256),
     ("7b", "L40S", 1, 8, 64),
     ("1.3b", "H100", 1, 8, 256),
+    ("175b", "H100", 2048, 8, 4096),  # 16,384 GPUs
 ]
 
 
@@ -46,14 +47,17 @@ def _layout(c) -> str:
 
 def _where(c) -> str:
     st = c.step_time_s
-    parts = {"tp": st.tp_comm, "pp": st.pp_comm, "bubble": st.pp_bubble, "dp": st.dp_comm}
+    parts = {"tp": st.tp_comm, "pp": st.pp_comm, "bubble": st.pp_bubble, "dp": st.dp_comm, "opt": st.optimizer}
     return " ".join(f"{k} {v / st.total:.0%}" for k, v in parts.items() if v / st.total >= 0.005) or "-"
 
 
 def run_case(preset: str, device: str, nodes: int, gpn: int, gbs: int, *, repeat: int, top: int) -> float:
-    req = PlanRequest(model=ModelSpec(name="gpt", preset=preset),
-                      cluster=ClusterSpec(device=device, nodes=nodes, gpus_per_node=gpn),
-                      global_batch_size=gbs, top_k=top)
+    req = PlanRequest(
+        model=ModelSpec(name="gpt", preset=preset),
+        cluster=ClusterSpec(device=device, nodes=nodes, gpus_per_node=gpn),
+        global_batch_size=gbs,
+        top_k=top,
+    )
     best = best_cpu = float("inf")
     resp = None
     for _ in range(repeat):
@@ -62,18 +66,24 @@ def run_case(preset: str, device: str, nodes: int, gpn: int, gbs: int, *, repeat
         best = min(best, time.perf_counter() - t0)
         best_cpu = min(best_cpu, time.process_time() - c0)
     assert resp is not None
-    print(f"\n## {preset} on {nodes * gpn} x {device} ({nodes} nodes x {gpn}), global batch {gbs}: "
-          f"search {best * 1e3:.0f} ms wall, {best_cpu * 1e3:.0f} ms CPU (best of {repeat}), {resp.evaluated} "
-          f"layout x micro-batch x checkpointing choices evaluated, "
-          f"{len(resp.rejected)} rejection groups")
-    hdr = f"{'#':>2}  {'layout':<44} {'mb':>3} {'recompute':<9} {'mem GiB':>8} {'step s':>8} {'tokens/s':>10} " \
-          f"{'MFU':>5}  comm/bubble share"
+    print(
+        f"\n## {preset} on {nodes * gpn} x {device} ({nodes} nodes x {gpn}), global batch {gbs}: "
+        f"search {best * 1e3:.0f} ms wall, {best_cpu * 1e3:.0f} ms CPU (best of {repeat}), {resp.evaluated} "
+        f"layout x micro-batch x checkpointing choices evaluated, "
+        f"{len(resp.rejected)} rejection groups"
+    )
+    hdr = (
+        f"{'#':>2}  {'layout':<44} {'mb':>3} {'recompute':<9} {'mem GiB':>8} {'step s':>8} {'tokens/s':>10} "
+        f"{'MFU':>5}  comm/bubble share"
+    )
     print(hdr)
     print("-" * len(hdr))
     for i, c in enumerate(resp.candidates, 1):
-        print(f"{i:>2}  {_layout(c):<44} {c.micro_batch_size:>3} {c.activation_checkpointing:<9} "
-              f"{c.memory_bytes.total / GiB:>8.1f} {c.step_time_s.total:>8.3f} {c.tokens_per_s:>10.0f} "
-              f"{c.mfu:>5.2f}  {_where(c)}")
+        print(
+            f"{i:>2}  {_layout(c):<44} {c.micro_batch_size:>3} {c.activation_checkpointing:<9} "
+            f"{c.memory_bytes.total / GiB:>8.1f} {c.step_time_s.total:>8.3f} {c.tokens_per_s:>10.0f} "
+            f"{c.mfu:>5.2f}  {_where(c)}"
+        )
     if not resp.candidates:
         print("   (nothing fits)", resp.rejected[0].reason if resp.rejected else "")
     return best
@@ -85,7 +95,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=5)
     args = ap.parse_args()
     times = [run_case(*case, repeat=args.repeat, top=args.top) for case in CASES]
-    print(f"\n175B on 1024 H100: {times[0] * 1e3:.0f} ms (target < 1000 ms)")
+    print(f"\n175B on 1024 H100: {times[0] * 1e3:.0f} ms (target < 1000 ms of CPU)")
 
 
 if __name__ == "__main__":

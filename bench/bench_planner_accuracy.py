@@ -37,9 +37,9 @@ sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
 
-from api.schemas import ClusterSpec, Layout, ModelSpec, RunSpec  # noqa: E402
-from api.validation import build_plan, check_spec  # noqa: E402
-from service.calibration import spearman  # noqa: E402
+from api.spec import ClusterSpec, Layout, ModelSpec, RunSpec  # noqa: E402
+from api.spec.validation import build_plan, check_spec  # noqa: E402
+from service.store.calibrations import spearman  # noqa: E402
 from service.planner import evaluate  # noqa: E402
 
 MiB = 1 << 20
@@ -118,7 +118,7 @@ def _rho(pairs: list[tuple[float, float]]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="small", help="GPT preset (api.presets)")
+    ap.add_argument("--preset", default="small", help="GPT preset (api.spec.presets)")
     ap.add_argument("--global-batch-size", type=int, default=16)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")

@@ -1,1 +1,1 @@
-"""Alembic migrations of the run database. Run them with ``service.migrate.upgrade(url)`` or ``meshrun db upgrade``."""
+"""Alembic migrations of the run database. Run them with ``service.store.migrate.upgrade(url)`` or ``meshrun db upgrade``."""

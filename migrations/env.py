@@ -1,12 +1,12 @@
 """Alembic environment. The database URL comes from the caller (``config.attributes["url"]`` or an open
-``config.attributes["connection"]``, set by service.migrate), else ``sqlalchemy.url`` in the ini, else Settings."""
+``config.attributes["connection"]``, set by service.store.migrate), else ``sqlalchemy.url`` in the ini, else Settings."""
 
 from __future__ import annotations
 
 from alembic import context
 from sqlalchemy.engine import Connection
 
-from service.models import Base
+from service.store.models import Base
 
 config = context.config
 target_metadata = Base.metadata
@@ -43,7 +43,7 @@ def run_migrations_online() -> None:
     if connection is not None:
         _run(connection)
         return
-    from service.db import make_engine
+    from service.store.db import make_engine
     engine = make_engine(_url())
     try:
         with engine.connect() as conn:

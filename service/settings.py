@@ -20,11 +20,14 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MESHRUN_", env_file=None, extra="ignore")
 
     data_dir: Path = Field(Path.home() / ".meshrun", description="SQLite file, checkpoints, Ray temp files.")
-    database_url: str | None = Field(None, description="SQLAlchemy URL; default sqlite:///<data_dir>/meshrun.db")
-    ray_address: str | None = Field(None, description="Existing Ray cluster (e.g. ray://head:10001 or "
-                                                      "head:6380); unset = start and own a local head.")
-    ray_dashboard_url: str | None = Field(None, description="Dashboard URL of an existing cluster "
-                                                            "(default http://<head>:8265).")
+    database_url: str = Field("", description="SQLAlchemy URL; default (empty) sqlite:///<data_dir>/meshrun.db")
+    ray_address: str | None = Field(
+        None,
+        description="Existing Ray cluster (e.g. ray://head:10001 or head:6380); unset = start and own a local head.",
+    )
+    ray_dashboard_url: str | None = Field(
+        None, description="Dashboard URL of an existing cluster (default http://<head>:8265)."
+    )
     ray_gcs_port: int = Field(6389, ge=1, le=65535, description="GCS port of the local head (not 6379).")
     ray_dashboard_port: int = Field(8265, ge=1, le=65535)
     ray_num_cpus: int | None = Field(None, ge=1, description="CPUs of the local head (default: all).")
@@ -33,37 +36,58 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=1, le=65535)
     public_url: str | None = Field(None, description="URL the Ray Job drivers use to reach this service.")
     auth: Literal["auto", "on", "off"] = Field(
-        "auto", description="auto = on unless the service listens on loopback only.")
-    checkpoint_root: Path | None = Field(None, description="Default checkpoint storage (default <data_dir>/checkpoints).")
+        "auto", description="auto = on unless the service listens on loopback only."
+    )
+    checkpoint_root: Path | None = Field(
+        None, description="Default checkpoint storage (default <data_dir>/checkpoints)."
+    )
     scheduler_interval_s: float = Field(1.0, gt=0, le=60)
     max_request_bytes: int = Field(1_048_576, ge=1024)
     rate_limit_per_minute: int = Field(1200, ge=0, description="Requests per token per minute; 0 disables.")
     allowed_path_roots: list[Path] = Field(
-        default_factory=list, description="With auth on, absolute paths in specs (data.path, checkpoint.storage) "
-                                          "must lie under data_dir, checkpoint_root or one of these.")
+        default_factory=list,
+        description="With auth on, absolute paths in specs (data.path, checkpoint.storage) "
+        "must lie under data_dir, checkpoint_root or one of these.",
+    )
     allowed_url_schemes: list[str] = Field(
         default_factory=lambda: ["file", "s3", "gs", "gcs", "az", "abfs", "abfss", "hdfs"],
-        description="URL schemes allowed in spec paths (fsspec protocols).")
+        description="URL schemes allowed in spec paths (fsspec protocols).",
+    )
     log_json: bool = False
     log_level: str = "INFO"
     start_scheduler: bool = Field(True, description="Run admission/reconcile loops in the API process.")
+    console_session_hours: float = Field(12.0, gt=0, le=24 * 30, description="Web console sign-in lifetime.")
+    ray_dashboard_proxy: Literal["signed-in", "admins", "off"] = Field(
+        "signed-in",
+        description="Who may open the Ray dashboard through the service at /ray/ (read-only, with the cluster's "
+        "token added by the service): every signed-in user, admins only, or nobody. The dashboard shows every "
+        "project's jobs: use 'admins' where projects must not see each other's.",
+    )
     metrics_token: str | None = Field(
-        None, description="MESHRUN_METRICS_TOKEN: a dedicated bearer token for Prometheus scrapes of /metrics "
-                          "(with auth on, /metrics needs this token or an admin API token; with auth off it is "
-                          "open).")
+        None,
+        description="MESHRUN_METRICS_TOKEN: a dedicated bearer token for Prometheus scrapes of /metrics "
+        "(with auth on, /metrics needs this token or an admin API token; with auth off it is "
+        "open).",
+    )
 
-    @field_validator("database_url")
+    @field_validator("database_url", mode="before")
     @classmethod
-    def _check_url(cls, v: str | None) -> str | None:
-        if v is not None and "://" not in v:
-            raise ValueError("MESHRUN_DATABASE_URL must be a SQLAlchemy URL such as "
-                             "sqlite:///path/meshrun.db or postgresql+psycopg://user@host/db")
-        if v is not None and v.startswith("sqlite") and (v.rstrip("/").endswith(":memory:") or v.rstrip("/") in (
-                "sqlite:", "sqlite+pysqlite:") or "mode=memory" in v):
-            raise ValueError("MESHRUN_DATABASE_URL must not be an in-memory SQLite database: migrations and the "
-                             "service would each see their own empty database; use a file such as "
-                             "sqlite:////var/lib/meshrun/meshrun.db, or leave MESHRUN_DATABASE_URL unset for "
-                             "<data_dir>/meshrun.db")
+    def _check_url(cls, v: object) -> str:
+        v = str(v or "").strip()
+        if v and "://" not in v:
+            raise ValueError(
+                "MESHRUN_DATABASE_URL must be a SQLAlchemy URL such as "
+                "sqlite:///path/meshrun.db or postgresql+psycopg://user@host/db"
+            )
+        if v.startswith("sqlite") and (
+            v.rstrip("/").endswith(":memory:") or v.rstrip("/") in ("sqlite:", "sqlite+pysqlite:") or "mode=memory" in v
+        ):
+            raise ValueError(
+                "MESHRUN_DATABASE_URL must not be an in-memory SQLite database: migrations and the "
+                "service would each see their own empty database; use a file such as "
+                "sqlite:////var/lib/meshrun/meshrun.db, or leave MESHRUN_DATABASE_URL unset for "
+                "<data_dir>/meshrun.db"
+            )
         return v
 
     @field_validator("metrics_token")
@@ -73,14 +97,14 @@ class Settings(BaseSettings):
         return v.strip() or None if v is not None else None
 
     @model_validator(mode="after")
-    def _defaults(self) -> "Settings":
-        if self.database_url is None:
+    def _defaults(self) -> Settings:
+        if not self.database_url:
             self.database_url = f"sqlite:///{self.data_dir / 'meshrun.db'}"
         if self.checkpoint_root is None:
             self.checkpoint_root = self.data_dir / "checkpoints"
         for scheme in ("postgresql://", "postgres://"):  # psycopg 3 is the installed driver
             if self.database_url.startswith(scheme):
-                self.database_url = "postgresql+psycopg://" + self.database_url[len(scheme):]
+                self.database_url = "postgresql+psycopg://" + self.database_url[len(scheme) :]
         return self
 
     @property

@@ -96,7 +96,7 @@ class ExtraNode:
 
 @dataclass
 class RayTestCluster:
-    head: Any  # service.ray_cluster.RayCluster
+    head: Any  # service.cluster.head.RayCluster
     tmp: Path
     extra: list[ExtraNode] = field(default_factory=list)
 
@@ -115,7 +115,7 @@ class RayTestCluster:
         return [n for n in self.head.nodes() if n.alive]
 
     def add_node(self, *, num_cpus: int = 4, timeout_s: float = 90.0) -> ExtraNode:
-        from service.ray_cluster import free_port, ray_cli
+        from service.cluster.head import free_port, ray_cli
 
         before = {n.node_id for n in self.alive_nodes()}
         base = 40000 + secrets.randbelow(200) * 100
@@ -146,7 +146,7 @@ class RayTestCluster:
         raise RuntimeError(f"the extra Ray node did not join: {log.read_text()[-3000:]}")
 
     def remove_node(self, node: ExtraNode) -> None:
-        from service.ray_cluster import kill_process_group
+        from service.cluster.head import kill_process_group
 
         kill_process_group(node.proc, timeout_s=20)
         _forget_pgid(node.proc.pid)
@@ -164,7 +164,7 @@ class RayTestCluster:
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[RayTestCluster]:
-    from service.ray_cluster import RayCluster, free_port
+    from service.cluster.head import RayCluster, free_port
 
     _kill_leftover_groups()
     # short path: Ray's unix sockets live under the session dir (108-byte limit)
@@ -211,8 +211,8 @@ def start_live_service(*, ray_cluster: RayTestCluster, data_dir: Path, database_
                        **overrides: Any) -> LiveService:
     import uvicorn
 
-    from api.server import create_app
-    from service.ray_cluster import free_port
+    from service.app.server import create_app
+    from service.cluster.head import free_port
     from service.settings import Settings
 
     port = free_port(None)

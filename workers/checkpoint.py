@@ -127,9 +127,11 @@ def _pairs(model_parts: Sequence[nn.Module], optimizers: Any) -> list[tuple[nn.M
     if len(opts) == len(model_parts):
         return list(zip(model_parts, opts))
     if len(opts) == 1 and len(model_parts) > 1:
-        raise ValueError(f"one optimizer over {len(model_parts)} model parts: give one optimizer per model part "
-                         "(as torchtitan's OptimizersContainer does) so each part's optimizer state can be "
-                         "named by its parameters")
+        raise ValueError(
+            f"one optimizer over {len(model_parts)} model parts: give one optimizer per model part "
+            "(as torchtitan's OptimizersContainer does) so each part's optimizer state can be "
+            "named by its parameters"
+        )
     raise ValueError(f"{len(opts)} optimizers for {len(model_parts)} model parts; give one per part")
 
 
@@ -139,8 +141,10 @@ def _model_state(model_parts: Sequence[nn.Module]) -> dict[str, Any]:
         sd = get_model_state_dict(part)
         clash = out.keys() & sd.keys()
         if clash:
-            raise ValueError(f"model parts share parameter names {sorted(clash)[:3]}; parts must be disjoint "
-                             "pieces of one model (workers.pipeline.split_model_part keeps full-model names)")
+            raise ValueError(
+                f"model parts share parameter names {sorted(clash)[:3]}; parts must be disjoint "
+                "pieces of one model (workers.pipeline.split_model_part keeps full-model names)"
+            )
         out.update(sd)
     return out
 
@@ -206,7 +210,7 @@ def _zero_flat_state(part: nn.Module, local: torch.optim.Optimizer) -> dict[str,
 def _zero_apply_hypers(part: nn.Module, zero: torch.optim.Optimizer, flat: dict[str, Any]) -> None:
     """After an in-place load: hyperparameters of each local group from the checkpoint, mirrored into the
     ZeRO wrapper's groups (which drive the local ones at every step)."""
-    local = zero.optim
+    local = zero.optim  # type: ignore[attr-defined]
     names = {id(p): _canonical(n) for n, p in part.named_parameters()}
     for g, lg in zip(zero.param_groups, local.param_groups):
         if not lg["params"]:
@@ -288,9 +292,17 @@ def _barrier() -> None:
 
 
 # ------------------------------------------------------------------------------------------- save/load
-def save_checkpoint(path: str | os.PathLike, *, model_parts: Sequence[nn.Module] | nn.Module, optimizers: Any,
-                    schedulers: Any, step: int, plan: Any = None, spec: Any = None,
-                    extra: dict[str, Any] | None = None) -> None:
+def save_checkpoint(
+    path: str | os.PathLike,
+    *,
+    model_parts: Sequence[nn.Module] | nn.Module,
+    optimizers: Any,
+    schedulers: Any,
+    step: int,
+    plan: Any = None,
+    spec: Any = None,
+    extra: dict[str, Any] | None = None,
+) -> None:
     """Save a checkpoint at ``path`` (a directory; this rank's own or one shared by all). Collective: every
     rank calls it with its model parts (the pipeline parts of this rank, or ``[model]``), their optimizers
     (one per part), LR schedulers, the step just completed, and ``extra`` (this rank's data position etc.).
@@ -302,8 +314,9 @@ def save_checkpoint(path: str | os.PathLike, *, model_parts: Sequence[nn.Module]
         "model": _model_state(parts),
         "optim": _optim_state(_pairs(parts, optimizers)),
         # python objects go in as opaque blobs (DCP would otherwise flatten nested dicts/lists into keys)
-        "train": _blob({"step": int(step), "world_size": world,
-                        "lr_scheduler": [s.state_dict() for s in _as_list(schedulers)]}),
+        "train": _blob(
+            {"step": int(step), "world_size": world, "lr_scheduler": [s.state_dict() for s in _as_list(schedulers)]}
+        ),
         f"rank{rank}": _blob({"rng": _rng_state(), "extra": dict(extra or {})}),
     }
     path = Path(path)
@@ -336,8 +349,9 @@ def read_checkpoint_meta(path: str | os.PathLike) -> dict[str, Any]:
     return json.loads(p.read_text())
 
 
-def load_checkpoint(path: str | os.PathLike, *, model_parts: Sequence[nn.Module] | nn.Module, optimizers: Any,
-                    schedulers: Any) -> dict[str, Any]:
+def load_checkpoint(
+    path: str | os.PathLike, *, model_parts: Sequence[nn.Module] | nn.Module, optimizers: Any, schedulers: Any
+) -> dict[str, Any]:
     """Load a checkpoint into already built (and parallelized) model parts, optimizers and schedulers,
     resharding to the current layout. Collective. Returns ``{"step", "extra", "plan", "spec",
     "world_size"}`` (``extra`` of this rank, or of rank 0 when the world size changed)."""
@@ -351,16 +365,23 @@ def load_checkpoint(path: str | os.PathLike, *, model_parts: Sequence[nn.Module]
     saved_world = int(meta.get("world_size", 1))
     src = rank if saved_world == world else 0
     if saved_world != world and rank == 0:
-        logger.warning("checkpoint %s was saved by %d ranks, loading on %d: model and optimizer reshard; RNG "
-                       "state and extra come from saved rank 0 on every rank", path, saved_world, world)
+        logger.warning(
+            "checkpoint %s was saved by %d ranks, loading on %d: model and optimizer reshard; RNG "
+            "state and extra come from saved rank 0 on every rank",
+            path,
+            saved_world,
+            world,
+        )
 
     saved_keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
     model_sds = [get_model_state_dict(p) for p in parts]
     missing = sorted(f"model.{k}" for sd in model_sds for k in sd if f"model.{k}" not in saved_keys)
     if missing:
-        raise ValueError(f"checkpoint {path} does not hold {len(missing)} tensors of this model (e.g. "
-                         f"{missing[:3]}); it was saved from another model (see its {META_FILE}): resume with "
-                         "the model it was saved with")
+        raise ValueError(
+            f"checkpoint {path} does not hold {len(missing)} tensors of this model (e.g. "
+            f"{missing[:3]}); it was saved from another model (see its {META_FILE}): resume with "
+            "the model it was saved with"
+        )
     if pairs and not any(k.startswith("optim.") for k in saved_keys):
         logger.warning("checkpoint %s holds no optimizer state: the optimizer starts fresh", path)
         pairs = []
@@ -389,8 +410,11 @@ def load_checkpoint(path: str | os.PathLike, *, model_parts: Sequence[nn.Module]
     elif scheds and len(saved_scheds) != len(scheds):
         # one scheduler per pipeline part, all stepped together: a different number of parts per rank
         # (another pp split) gets the first saved state everywhere
-        logger.info("checkpoint has %d LR schedulers per rank, the run %d: restoring the first to all",
-                    len(saved_scheds), len(scheds))
+        logger.info(
+            "checkpoint has %d LR schedulers per rank, the run %d: restoring the first to all",
+            len(saved_scheds),
+            len(scheds),
+        )
         saved_scheds = [saved_scheds[0]] * len(scheds)
     for sched, sd in zip(scheds, saved_scheds):
         sched.load_state_dict(sd)
@@ -403,8 +427,13 @@ def load_checkpoint(path: str | os.PathLike, *, model_parts: Sequence[nn.Module]
     _barrier()
     step = int(train["step"])
     logger.info("loaded checkpoint step %d from %s in %.2f s", step, path, time.perf_counter() - t0)
-    return {"step": step, "extra": per_rank.get("extra") or {}, "plan": meta.get("plan"), "spec": meta.get("spec"),
-            "world_size": saved_world}
+    return {
+        "step": step,
+        "extra": per_rank.get("extra") or {},
+        "plan": meta.get("plan"),
+        "spec": meta.get("spec"),
+        "world_size": saved_world,
+    }
 
 
 # ------------------------------------------------------------------------------------------- files
@@ -416,7 +445,7 @@ def checkpoint_path(root: str | os.PathLike, step: int) -> Path:
 def checkpoint_size_bytes(path: str | os.PathLike) -> int:
     """Total size of the files of a checkpoint directory (recursive)."""
     total = 0
-    for dirpath, _, files in os.walk(path):
+    for dirpath, _, files in os.walk(os.fspath(path)):
         for f in files:
             try:
                 total += os.path.getsize(os.path.join(dirpath, f))
@@ -470,6 +499,6 @@ def prune_checkpoints(root: str | os.PathLike, keep: int) -> list[Path]:
 
 
 def _iter_files(path: str | os.PathLike) -> Iterable[str]:  # pragma: no cover - debugging aid
-    for dirpath, _, files in os.walk(path):
+    for dirpath, _, files in os.walk(os.fspath(path)):
         for f in files:
             yield os.path.join(dirpath, f)

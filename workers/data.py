@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import logging
 import sysconfig
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from api.schemas import DataSpec
+from api.spec import DataSpec
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,10 @@ class WindowSource:
         counts = [(len(a) - 1) // seq_len for a in self.arrays]
         self.offsets = np.cumsum([0] + counts)
         if self.offsets[-1] == 0:
-            raise ValueError(f"data ({name}) holds fewer than seq_len + 1 = {seq_len + 1} tokens; give more data "
-                             "or a shorter model.seq_len")
+            raise ValueError(
+                f"data ({name}) holds fewer than seq_len + 1 = {seq_len + 1} tokens; give more data "
+                "or a shorter model.seq_len"
+            )
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -61,7 +64,7 @@ class WindowSource:
     def __getitem__(self, i: int) -> torch.Tensor:
         f = int(np.searchsorted(self.offsets, i, side="right") - 1)
         start = (i - int(self.offsets[f])) * self.seq_len
-        w = np.asarray(self.arrays[f][start:start + self.seq_len + 1], dtype=np.int64)
+        w = np.asarray(self.arrays[f][start : start + self.seq_len + 1], dtype=np.int64)
         t = torch.from_numpy(w)
         return t % self.vocab_size if int(t.max()) >= self.vocab_size else t
 
@@ -130,8 +133,10 @@ def make_source(data: DataSpec, *, seq_len: int, vocab_size: int, seed: int):
         files = [root] if root.is_file() else sorted([*root.glob("*.bin"), *root.glob("*.npy")])
         if not files:
             raise FileNotFoundError(f"no .bin or .npy token files under data.path {root}")
-        arrays = [np.load(f, mmap_mode="r").reshape(-1) if f.suffix == ".npy" else np.memmap(f, dtype=dtype, mode="r")
-                  for f in files]
+        arrays = [
+            np.load(f, mmap_mode="r").reshape(-1) if f.suffix == ".npy" else np.memmap(f, dtype=dtype, mode="r")
+            for f in files
+        ]
         return WindowSource(arrays, seq_len, vocab_size, f"tokens:{root}")
     if data.source == "custom":
         return _custom_source(data, seq_len=seq_len, vocab_size=vocab_size, seed=seed)
@@ -159,8 +164,10 @@ def _custom_source(data: DataSpec, *, seq_len: int, vocab_size: int, seed: int) 
     except TypeError as e:
         raise UserCodeError("data.args", f"{data.entrypoint}(**data.args) failed: {e}; check the argument names") from e
     if not (hasattr(ds, "__len__") and hasattr(ds, "__getitem__")):
-        raise UserCodeError("data.entrypoint", f"{data.entrypoint} returned {type(ds).__name__}, not a map-style "
-                                               "dataset (needs __len__ and __getitem__)")
+        raise UserCodeError(
+            "data.entrypoint",
+            f"{data.entrypoint} returned {type(ds).__name__}, not a map-style dataset (needs __len__ and __getitem__)",
+        )
     if len(ds) == 0:
         raise UserCodeError("data.entrypoint", f"{data.entrypoint} returned an empty dataset")
     return ds
@@ -173,11 +180,14 @@ class StepBatches:
     splits them into (micro_batch_size, T) slices. ``epoch`` / ``set_epoch`` follow the sample position.
     """
 
-    def __init__(self, source: Any, *, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                 seed: int):
+    def __init__(
+        self, source: Any, *, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int, seed: int
+    ):
         if global_batch_size % (dp_size * micro_batch_size):
-            raise ValueError(f"global_batch_size={global_batch_size} is not a multiple of dp x micro_batch_size "
-                             f"= {dp_size} x {micro_batch_size}")
+            raise ValueError(
+                f"global_batch_size={global_batch_size} is not a multiple of dp x micro_batch_size "
+                f"= {dp_size} x {micro_batch_size}"
+            )
         self.source, self.seed = source, seed
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -230,14 +240,15 @@ class StepBatches:
         start = step * self.global_batch_size + self.dp_rank * self.per_rank
         items = [self.sample(j) for j in range(start, start + self.per_rank)]
         if isinstance(items[0], tuple):  # (input, target) examples
-            return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
-        seqs = torch.stack(items)  # (G/dp, T+1)
+            pairs = [it for it in items if isinstance(it, tuple)]
+            return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
+        seqs = torch.stack([it for it in items if isinstance(it, torch.Tensor)])  # (G/dp, T+1)
         return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
 
     def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         x, y = self.batch(step)
         mb = self.micro_batch_size
-        return [(x[i:i + mb], y[i:i + mb]) for i in range(0, self.per_rank, mb)]
+        return [(x[i : i + mb], y[i : i + mb]) for i in range(0, self.per_rank, mb)]
 
     def __iter__(self):
         while True:
@@ -246,10 +257,28 @@ class StepBatches:
             yield out
 
 
-def build_batches(data: DataSpec, *, seq_len: int, vocab_size: int, seed: int, global_batch_size: int,
-                  micro_batch_size: int, dp_rank: int, dp_size: int) -> StepBatches:
+def build_batches(
+    data: DataSpec,
+    *,
+    seq_len: int,
+    vocab_size: int,
+    seed: int,
+    global_batch_size: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+) -> StepBatches:
     src = make_source(data, seq_len=seq_len, vocab_size=vocab_size, seed=seed)
-    log.info("data %s: %s samples", getattr(src, "name", type(src).__name__),
-             "inf" if isinstance(src, SyntheticSource) else len(src))
-    return StepBatches(src, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
-                       dp_rank=dp_rank, dp_size=dp_size, seed=seed)
+    log.info(
+        "data %s: %s samples",
+        getattr(src, "name", type(src).__name__),
+        "inf" if isinstance(src, SyntheticSource) else len(src),
+    )
+    return StepBatches(
+        src,
+        global_batch_size=global_batch_size,
+        micro_batch_size=micro_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=seed,
+    )

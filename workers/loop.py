@@ -1,36 +1,60 @@
 """The training loop: one function that the Ray Train wrapper and the standalone launcher both call.
 
-Per step (1-based ``step``) global rank 0 calls ``sink(row)`` with one aggregated row:
-step, loss (mean over the global batch, from the last pipeline stage), tokens_per_s (global), step_time_s,
-mfu, peak_memory_bytes (max over ranks), peak_memory_bytes_per_rank, comm_fraction (see workers.metrics),
-grad_norm, lr, time (unix seconds).
+A step: ``data`` (fetch the batch, move it to the device) -> ``compute`` (forward/backward of every micro-batch,
+or the pipeline schedule) -> ``optimizer`` (gradient-norm clipping, optimizer and LR-scheduler step). Nothing
+else happens per step: no device synchronisation, no collective for metrics, no allocator calls, no log line.
+The loss and gradient norm stay on the device until the next report.
+
+What each rank emits (see the modules for the formats):
+
+- rows: global rank 0 calls ``sink(row)`` once per step, in batches, after each report (``workers.reporting``:
+  the ranks combine their measurements in one ``all_gather`` every ~``spec.metrics.report_every_s`` seconds).
+  Keys: ``api.spec.metrics.MetricRow`` (``step, loss, tokens_per_s, step_time_s, mfu, peak_memory_bytes,
+  peak_memory_bytes_per_rank, grad_norm, lr, time`` and, on measured steps, ``comm_fraction, breakdown,
+  breakdown_per_rank``: the per-rank step-time breakdown of ``workers.timeline``, so the service can compare
+  per-rank compute time to find stragglers);
+- "where am I": ``workers.diagnostics.RankState``, published every few seconds to ``<state_dir>/rank<r>.json``
+  and/or ``on_state(snapshot)``; a stack dump on SIGUSR1;
+- profiles: ``workers.profiling`` writes Chrome traces (and the pipeline timeline) per rank into
+  ``profile_dir`` for ``spec.profile`` or a ``control()`` request, then calls ``on_profile``;
+- checkpoints: ``on_checkpoint(step, path)`` after every rank saved (rows up to that step are reported first).
+
+``control()`` (polled on every rank at reports) may return ``{"stop": True}`` or ``{"profile_steps": k}``; the
+older ``stop()`` callback still works. Both take effect at the next report, on every rank together.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
-from typing import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from api.schemas import Plan, RunSpec
-from api.validation import SpecError, check_spec
+from api.spec import Plan, RunSpec
+from api.spec.validation import SpecError, check_spec
+from workers.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint
+from workers.comm_hooks import Tracker, measure_p2p_link
 from workers.data import build_batches
-from workers.metrics import CommTimer, device_peak_flops, peak_memory_bytes, reset_peak_memory
+from workers.diagnostics import FaultInjector, Heartbeat, RankState, install_stack_dump
+from workers.metrics import device_peak_flops
 from workers.models import build_model
 from workers.optim import build_optimizer, build_scheduler
 from workers.parallel_dims import ParallelDims
 from workers.parallelize import clip_grad_norm_, grad_sync, parallelize_model
+from workers.pipeline import build_pipeline
+from workers.profiling import Profiler
+from workers.reporting import Reporter
+from workers.timeline import make_clock
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +71,8 @@ class WorkerJob:
     attempt: int = 1
     checkpoint_dir: str | None = None  # periodic checkpoints go to f"{checkpoint_dir}/step_{step:08d}"
     resume_from: str | None = None  # a checkpoint dir to load before training
+    state_dir: str | None = None  # "where am I" files rank<r>.json and stack dumps rank<r>.stacks.txt
+    profile_dir: str | None = None  # profiles go to f"{profile_dir}/steps_<first>-<last>/"
 
 
 def _free_port() -> int:
@@ -61,8 +87,9 @@ def init_distributed(*, timeout_s: float = PG_TIMEOUT_S) -> bool:
     if dist.is_initialized():
         return False
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+        )
     dist.init_process_group(backend=None, timeout=timedelta(seconds=timeout_s))
     return True
 
@@ -87,24 +114,54 @@ def _check(spec: RunSpec, plan: Plan, world_size: int) -> None:
     if not chk.ok:
         raise SpecError(chk.errors)
     if plan.world_size != world_size:
-        raise RuntimeError(f"the plan needs world size {plan.world_size} (dp {plan.dp} x tp {plan.tp} x pp "
-                           f"{plan.pp}) but {world_size} processes were started; launch {plan.world_size}")
+        raise RuntimeError(
+            f"the plan needs world size {plan.world_size} (dp {plan.dp} x tp {plan.tp} x pp "
+            f"{plan.pp}) but {world_size} processes were started; launch {plan.world_size}"
+        )
 
 
-def train(job: WorkerJob, *, sink: Callable[[dict], None] | None = None,
-          on_checkpoint: Callable[[int, str], None] | None = None,
-          stop: Callable[[], bool] | None = None) -> dict:
+def train(
+    job: WorkerJob,
+    *,
+    sink: Callable[[dict], None] | None = None,
+    on_checkpoint: Callable[[int, str], None] | None = None,
+    stop: Callable[[], bool] | None = None,
+    control: Callable[[], dict[str, Any] | None] | None = None,
+    on_state: Callable[[dict[str, Any]], None] | None = None,
+    on_profile: Callable[[int, int, list[str]], None] | None = None,
+) -> dict:
     """Train ``job`` on this rank; returns a summary dict (complete on global rank 0)."""
     spec, plan = job.spec, job.plan
     created_pg = init_distributed()
     try:
-        return _train(job, spec, plan, sink=sink, on_checkpoint=on_checkpoint, stop=stop)
+        return _train(
+            job,
+            spec,
+            plan,
+            sink=sink,
+            on_checkpoint=on_checkpoint,
+            stop=stop,
+            control=control,
+            on_state=on_state,
+            on_profile=on_profile,
+        )
     finally:
         if created_pg and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _train(job: WorkerJob, spec: RunSpec, plan: Plan, *, sink, on_checkpoint, stop) -> dict:
+def _train(
+    job: WorkerJob,
+    spec: RunSpec,
+    plan: Plan,
+    *,
+    sink: Callable[[dict], None] | None,
+    on_checkpoint: Callable[[int, str], None] | None,
+    stop: Callable[[], bool] | None,
+    control: Callable[[], dict[str, Any] | None] | None,
+    on_state: Callable[[dict[str, Any]], None] | None,
+    on_profile: Callable[[int, int, list[str]], None] | None,
+) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     _check(spec, plan, world)
     device = resolve_device(plan)
@@ -116,22 +173,29 @@ def _train(job: WorkerJob, spec: RunSpec, plan: Plan, *, sink, on_checkpoint, st
     _ = dims.mesh
     log.info("rank %d/%d: %s, run %s attempt %d", rank, world, dims.describe(), job.run_id, job.attempt)
 
-    comm = CommTimer().install()
+    state = RankState(rank=rank, world_size=world, run_id=job.run_id, attempt=job.attempt)
+    heartbeat = Heartbeat(state, state_dir=job.state_dir, on_state=on_state).start()
+    if job.state_dir:
+        install_stack_dump(job.state_dir, rank)
+    tracker = Tracker(clock=make_clock(device.type), state=state, dims=dims).install()
+    faults = FaultInjector(spec.faults, rank=rank, attempt=job.attempt, state=state)
+    profiler: Profiler | None = None
     try:
         model = build_model(plan.model, device="meta")
-        flops_per_token = model.flops_per_token() if hasattr(model, "flops_per_token") else \
-            6.0 * sum(p.numel() for p in model.parameters())
-        pfn = partial(parallelize_model, dims=dims, plan=plan, spec=spec, device=device, comm_timer=comm)
+        fpt = getattr(model, "flops_per_token", None)
+        flops_per_token = float(fpt()) if callable(fpt) else 6.0 * sum(p.numel() for p in model.parameters())
+        pfn = partial(parallelize_model, dims=dims, plan=plan, spec=spec, device=device)
         runner = None
         if dims.pp_enabled:
-            try:
-                from workers.pipeline import build_pipeline
-            except ImportError as e:
-                raise NotImplementedError("pipeline parallel (pp > 1) needs workers.pipeline.build_pipeline, "
-                                          "which this build lacks; use pp=1") from e
-            runner = build_pipeline(model, dims=dims, plan=plan, spec=spec, device=device, parallelize_fn=pfn,
-                                    loss_fn=loss_fn)
+            runner = build_pipeline(
+                model, dims=dims, plan=plan, spec=spec, device=device, parallelize_fn=pfn, loss_fn=loss_fn
+            )
             model_parts = list(runner.model_parts)
+            for stage in runner.stages:
+                tracker.wrap_stage(stage)
+            if spec.metrics.breakdown_every_steps or spec.profile is not None:
+                with tracker.paused():
+                    tracker.link = measure_p2p_link(dims.pp_mesh.get_group(), device)
         else:
             model_parts = [pfn(model)]
         del model
@@ -140,55 +204,96 @@ def _train(job: WorkerJob, spec: RunSpec, plan: Plan, *, sink, on_checkpoint, st
         # one optimizer + LR scheduler per model part (pipeline parts), so checkpoints name state by part
         optimizers = [build_optimizer([m], spec, plan, dp_group=dp_group) for m in model_parts]
         schedulers = [build_scheduler(o, spec) for o in optimizers]
-        scaler = None
+        scaler: Any = None
         if spec.precision == "fp16" and runner is not None:
-            log.warning("fp16 with pipeline parallel runs without loss scaling (the schedule owns backward); "
-                        "prefer bf16")
+            log.warning(
+                "fp16 with pipeline parallel runs without loss scaling (the schedule owns backward); prefer bf16"
+            )
         elif spec.precision == "fp16":
             if any(getattr(m, "meshrun_dp", None) == "fsdp" for m in model_parts):
                 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
                 scaler = ShardedGradScaler(device.type)
             else:
                 scaler = torch.amp.GradScaler(device.type)
 
         start_step = 0
         if job.resume_from:
-            from workers.checkpoint import load_checkpoint
-            state = load_checkpoint(job.resume_from, model_parts=model_parts, optimizers=optimizers,
-                                    schedulers=schedulers)
-            start_step = int(state["step"])
+            with tracker.paused():
+                ck_state = load_checkpoint(
+                    job.resume_from, model_parts=model_parts, optimizers=optimizers, schedulers=schedulers
+                )
+            start_step = int(ck_state["step"])
             log.info("resumed from %s at step %d", job.resume_from, start_step)
 
-        batches = build_batches(spec.data, seq_len=plan.model.seq_len, vocab_size=plan.model.vocab_size,
-                                seed=spec.train.seed, global_batch_size=plan.global_batch_size,
-                                micro_batch_size=plan.micro_batch_size, dp_rank=dims.dp_rank, dp_size=dims.dp_size)
+        batches = build_batches(
+            spec.data,
+            seq_len=plan.model.seq_len,
+            vocab_size=plan.model.vocab_size,
+            seed=spec.train.seed,
+            global_batch_size=plan.global_batch_size,
+            micro_batch_size=plan.micro_batch_size,
+            dp_rank=dims.dp_rank,
+            dp_size=dims.dp_size,
+        )
         batches.step = start_step
-        peak_flops = device_peak_flops(device, spec.precision)
         pp_group = dims.pp_mesh.get_group() if dims.pp_enabled else None
         is_last_stage = runner.has_last_stage if runner is not None else True
         loss_owner = is_last_stage and dims.tp_rank == 0
         all_params = [p for m in model_parts for p in m.parameters()]
+        reporter = Reporter(
+            spec=spec,
+            plan=plan,
+            tracker=tracker,
+            device=device,
+            dp_size=dims.dp_size,
+            flops_per_token=flops_per_token,
+            peak_flops=device_peak_flops(device, spec.precision),
+            sink=sink if rank == 0 else None,
+            first_step=start_step + 1,
+            last_step=spec.train.steps,
+        )
+        profiler = Profiler(
+            out_dir=job.profile_dir, rank=rank, tracker=tracker, pipeline=runner is not None, on_profile=on_profile
+        )
+        if spec.profile is not None:
+            profiler.schedule(spec.profile.start_step, spec.profile.steps)
 
-        history: list[dict] = []
-        peaks = [0] * world
-        last_ckpt, stopped, t_start = None, False, time.time()
+        last_ckpt, t_start = None, time.time()
         for m in model_parts:
             m.train()
+        reporter.start()
+        last_end = reporter.prev_end
+        loop_t0, loop_cpu0 = time.perf_counter(), time.process_time()
         for step in range(start_step + 1, spec.train.steps + 1):
-            reset_peak_memory(device)
-            comm.reset()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
+            faults.before_step(step)
+            profiler.before_step(step)
+            tracker.begin_step(step, last_end, record=reporter.measure(step) or profiler.active(step))
 
+            tracker.begin_phase("data")
             if runner is not None:
                 x, y = batches.batch(step - 1)
-                x, y = x.to(device), y.to(device)
-                out = runner.step(x if runner.has_first_stage else None, y if runner.has_last_stage else None)
-                loss_val = out.detach().float() if out is not None else torch.zeros((), device=device)
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                micro_batches = []
             else:
-                loss_val = _forward_backward(model_parts[0], batches.micro_batches(step - 1), device, scaler)
+                micro_batches = [
+                    (a.to(device, non_blocking=True), b.to(device, non_blocking=True))
+                    for a, b in batches.micro_batches(step - 1)
+                ]
+            tracker.end_phase()
 
+            tracker.begin_phase("compute")
+            faults.in_compute(step)
+            loss: Any = 0.0
+            if runner is not None:
+                pp_loss = runner.step(x if runner.has_first_stage else None, y if runner.has_last_stage else None)
+                if pp_loss is not None:
+                    loss = pp_loss.detach().float()
+            else:
+                loss = _forward_backward(model_parts[0], micro_batches, device, scaler, tracker)
+            tracker.end_phase()
+
+            tracker.begin_phase("optimizer")
             if scaler is not None:
                 for o in optimizers:
                     scaler.unscale_(o)
@@ -204,106 +309,122 @@ def _train(job: WorkerJob, spec: RunSpec, plan: Plan, *, sink, on_checkpoint, st
             for o, sch in zip(optimizers, schedulers):
                 sch.step()
                 o.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            step_time = time.perf_counter() - t0
+            tracker.end_phase()
 
-            # one gather: [loss share, peak bytes, comm seconds, stop vote]
-            comm.enabled = False
-            want_stop = bool(stop()) if stop is not None else False
-            mine = torch.tensor([float(loss_val) if loss_owner else 0.0, float(peak_memory_bytes(device)),
-                                 comm.total_s(), 1.0 if want_stop else 0.0], dtype=torch.float64)
-            gathered = _all_gather(mine, device, world)
-            comm.enabled = True
-            peaks = [max(a, int(b)) for a, b in zip(peaks, gathered[:, 1].tolist())]
-            stopped = bool(gathered[:, 3].max() > 0)
-            if rank == 0:
-                loss = float(gathered[:, 0].sum()) / dims.dp_size
-                row = {
-                    "step": step, "loss": loss, "tokens_per_s": plan.tokens_per_step / step_time,
-                    "step_time_s": step_time,
-                    "mfu": flops_per_token * plan.tokens_per_step / (step_time * world * peak_flops),
-                    "peak_memory_bytes": int(gathered[:, 1].max()),
-                    "peak_memory_bytes_per_rank": [int(v) for v in gathered[:, 1].tolist()],
-                    "comm_fraction": min(1.0, float(gathered[:, 2].max()) / step_time),
-                    "grad_norm": float(grad_norm), "lr": lr, "time": time.time(),
-                }
-                history.append(row)
-                if not math.isfinite(loss):
-                    log.warning("step %d: loss is %s", step, loss)
-                log.info("step %d loss %.4f %.0f tok/s mfu %.3f", step, loss, row["tokens_per_s"], row["mfu"])
-                if sink is not None:
-                    sink(row)
+            last_end = tracker.clock.mark()
+            rec = tracker.end_step(last_end)
+            reporter.add(step, last_end, loss=loss if loss_owner else 0.0, grad_norm=grad_norm, lr=lr, rec=rec)
+            state.step_done(step)
+            profiler.after_step(step, rec)
 
             every = spec.checkpoint.every_steps
-            if job.checkpoint_dir and every and step % every == 0:
-                last_ckpt = _save(job, step, model_parts, optimizers, schedulers, batches, plan, spec)
-                if on_checkpoint is not None:
+            ckpt_due = bool(job.checkpoint_dir and every and step % every == 0)
+            if reporter.due(step, force=ckpt_due):
+                state.set_phase("report")
+                stop_vote, profile_vote = _poll(stop, control)
+                with tracker.paused():
+                    reporter.report(stop_vote=stop_vote, profile_vote=profile_vote)
+                if reporter.profile_request:
+                    profiler.schedule(step + 1, reporter.profile_request)
+            if ckpt_due:
+                state.set_phase("checkpoint")
+                with tracker.paused():
+                    last_ckpt = _save(job, step, model_parts, optimizers, schedulers, batches, plan, spec)
+                if on_checkpoint is not None and last_ckpt is not None:
                     on_checkpoint(step, last_ckpt)
-            if stopped:
+            if reporter.stop_agreed:
                 log.info("stop requested: stopping after step %d", step)
                 break
+        with tracker.paused():
+            reporter.report()
+        loop_time_s, loop_cpu_s = time.perf_counter() - loop_t0, time.process_time() - loop_cpu0
+        state.set_phase("done")
+    except BaseException:
+        state.set_phase("failed")
+        raise
     finally:
-        comm.uninstall()
+        if profiler is not None:
+            profiler.close()
+        tracker.uninstall()
+        heartbeat.stop()
 
-    timed = history[1:] or history
+    summary = reporter.summary()
     return {
-        "run_id": job.run_id, "attempt": job.attempt, "steps_done": history[-1]["step"] if history else start_step,
-        "resumed_from_step": start_step, "final_loss": history[-1]["loss"] if history else None,
-        "mean_tokens_per_s": sum(r["tokens_per_s"] for r in timed) / len(timed) if timed else None,
-        "mean_mfu": sum(r["mfu"] for r in timed) / len(timed) if timed else None,
-        "peak_memory_bytes_per_rank": {str(r): v for r, v in enumerate(peaks)},
-        "wall_time_s": time.time() - t_start, "stopped": stopped, "last_checkpoint": last_ckpt,
-        "losses": [r["loss"] for r in history],
+        "run_id": job.run_id,
+        "attempt": job.attempt,
+        **summary,
+        "steps_done": summary["steps_done"] if summary["steps_done"] is not None else start_step,
+        "resumed_from_step": start_step,
+        "wall_time_s": time.time() - t_start,
+        "loop_time_s": loop_time_s,  # first step to the final report, this rank
+        "loop_cpu_time_s": loop_cpu_s,  # CPU time of this process (all its threads) over the same span
+        "stopped": reporter.stop_agreed,
+        "last_checkpoint": last_ckpt,
+        "profiles": profiler.written if profiler is not None else [],
     }
 
 
-def _forward_backward(model, micro_batches, device, scaler) -> torch.Tensor:
-    """Gradient accumulation over the rank's micro-batches; returns the rank's mean loss (detached)."""
+def _poll(stop: Callable[[], bool] | None, control: Callable[[], dict[str, Any] | None] | None) -> tuple[bool, int]:
+    want_stop = bool(stop()) if stop is not None else False
+    profile_steps = 0
+    if control is not None:
+        c = control() or {}
+        want_stop = want_stop or bool(c.get("stop"))
+        profile_steps = int(c.get("profile_steps") or 0)
+    return want_stop, profile_steps
+
+
+def _forward_backward(
+    model: torch.nn.Module,
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+    scaler: Any,
+    tracker: Tracker,
+) -> torch.Tensor:
+    """Gradient accumulation over the rank's micro-batches; returns the rank's mean loss (detached, on device)."""
     m = len(micro_batches)
     autocast_dtype = getattr(model, "meshrun_autocast", None)
     lp = getattr(model, "meshrun_loss_parallel", False)
     total = torch.zeros((), device=device)
     for i, (x, y) in enumerate(micro_batches):
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with grad_sync(model, i == m - 1):
-            lp_ctx = contextlib.nullcontext()
+            lp_ctx: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
             if lp:
                 from torch.distributed.tensor.parallel import loss_parallel
+
                 lp_ctx = loss_parallel()
             with lp_ctx:
-                with (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
-                      else contextlib.nullcontext()):
+                with (
+                    torch.autocast(device.type, dtype=autocast_dtype)
+                    if autocast_dtype is not None
+                    else contextlib.nullcontext()
+                ):
                     logits = model(x)
                 loss = loss_fn(logits, y) / m
-                if hasattr(loss, "full_tensor"):
-                    loss_plain = loss.detach().full_tensor()
-                else:
-                    loss_plain = loss.detach()
+                loss_plain = loss.detach()
+                full = getattr(loss_plain, "full_tensor", None)
+                if callable(full):
+                    loss_plain = full()
                 (scaler.scale(loss) if scaler is not None else loss).backward()
+            tracker.after_backward()
         total += loss_plain.float()
     return total
 
 
-def _all_gather(t: torch.Tensor, device: torch.device, world: int) -> torch.Tensor:
-    t = t.to(device)
-    out = [torch.zeros_like(t) for _ in range(world)]
-    dist.all_gather(out, t)
-    return torch.stack(out).cpu()
-
-
 def _save(job: WorkerJob, step: int, model_parts, optimizers, schedulers, batches, plan, spec) -> str | None:
     path = f"{job.checkpoint_dir}/step_{step:08d}"
-    try:
-        from workers.checkpoint import prune_checkpoints, save_checkpoint
-    except ImportError:
-        log.warning("workers.checkpoint is not available: skipping the checkpoint of step %d", step)
-        return None
-    save_checkpoint(path, model_parts=model_parts, optimizers=optimizers, schedulers=schedulers, step=step,
-                    plan=plan, spec=spec, extra={"data": batches.state_dict() | {"step": step},
-                                                 "run_id": job.run_id, "attempt": job.attempt})
+    save_checkpoint(
+        path,
+        model_parts=model_parts,
+        optimizers=optimizers,
+        schedulers=schedulers,
+        step=step,
+        plan=plan,
+        spec=spec,
+        extra={"data": batches.state_dict() | {"step": step}, "run_id": job.run_id, "attempt": job.attempt},
+    )
     dist.barrier()
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and job.checkpoint_dir:
         prune_checkpoints(job.checkpoint_dir, spec.checkpoint.keep)
     log.info("checkpoint of step %d at %s", step, path)
     return path

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import torch
 from torch import nn
 
-from api.schemas import Plan, RunSpec
+from api.spec import Plan, RunSpec
 
 log = logging.getLogger(__name__)
 
 
 def param_groups(model_parts: list[nn.Module], weight_decay: float) -> list[dict]:
     """nanoGPT rule: decay every >= 2-D parameter (matrices, embeddings), not biases or norms."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for part in model_parts:
         for p in part.parameters():
             if p.requires_grad:
@@ -27,14 +29,24 @@ def build_optimizer(model_parts: list[nn.Module], spec: RunSpec, plan: Plan, *, 
     """One optimizer over every part's parameters. zero_stage 1: ``ZeroRedundancyOptimizer`` over dp."""
     o = spec.optimizer
     groups = param_groups(model_parts, o.weight_decay)
-    kw = dict(lr=o.lr, betas=tuple(o.betas), eps=1e-8)
+    kw: dict[str, Any] = dict(lr=o.lr, betas=tuple(o.betas), eps=1e-8)
     if plan.zero_stage == 1 and plan.dp > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
-        opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW, process_group=dp_group,
-                                      parameters_as_bucket_view=False, weight_decay=o.weight_decay, **kw)
+
+        opt = ZeroRedundancyOptimizer(
+            groups[0]["params"],
+            optimizer_class=torch.optim.AdamW,
+            process_group=dp_group,
+            parameters_as_bucket_view=False,
+            weight_decay=o.weight_decay,
+            **kw,
+        )
         if groups[1]["params"]:
             opt.add_param_group({"params": groups[1]["params"], "weight_decay": 0.0})
         return opt
+    params = [p for g in groups for p in g["params"]]
+    if params and all(p.is_cuda and type(p.data) is torch.Tensor for p in params):
+        kw["fused"] = True  # one kernel for the whole step on CUDA (plain tensors; DTensor shards use foreach)
     return torch.optim.AdamW(groups, **kw)
 
 
@@ -53,6 +65,14 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str, 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, spec: RunSpec) -> torch.optim.lr_scheduler.LambdaLR:
     o = spec.optimizer
-    fn = lambda s: lr_factor(s, warmup_steps=o.warmup_steps, total_steps=spec.train.steps,  # noqa: E731
-                             schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
+
+    def fn(s: int) -> float:
+        return lr_factor(
+            s,
+            warmup_steps=o.warmup_steps,
+            total_steps=spec.train.steps,
+            schedule=o.schedule,
+            min_lr_ratio=o.min_lr_ratio,
+        )
+
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

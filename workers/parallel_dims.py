@@ -15,7 +15,7 @@ from functools import cached_property
 import torch
 import torch.distributed as dist
 
-from api.schemas import Plan
+from api.spec import Plan
 
 log = logging.getLogger(__name__)
 
@@ -41,21 +41,30 @@ class ParallelDims:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         prod = self.dp_replicate * self.dp_shard * self.tp * self.pp
         if prod != self.world_size:
-            raise ValueError(f"pp x dp_replicate x dp_shard x tp = {self.pp} x {self.dp_replicate} x "
-                             f"{self.dp_shard} x {self.tp} = {prod} but the world size is {self.world_size}; "
-                             "launch exactly that many processes or change the layout")
+            raise ValueError(
+                f"pp x dp_replicate x dp_shard x tp = {self.pp} x {self.dp_replicate} x "
+                f"{self.dp_shard} x {self.tp} = {prod} but the world size is {self.world_size}; "
+                "launch exactly that many processes or change the layout"
+            )
 
     @classmethod
-    def from_plan(cls, plan: Plan, *, world_size: int | None = None, device_type: str | None = None) -> "ParallelDims":
+    def from_plan(cls, plan: Plan, *, world_size: int | None = None, device_type: str | None = None) -> ParallelDims:
         ws = world_size if world_size is not None else plan.world_size
-        return cls(dp_replicate=plan.dp_replicate, dp_shard=plan.dp_shard, tp=plan.tp, pp=plan.pp,
-                   world_size=ws, device_type=device_type or default_device_type())
+        return cls(
+            dp_replicate=plan.dp_replicate,
+            dp_shard=plan.dp_shard,
+            tp=plan.tp,
+            pp=plan.pp,
+            world_size=ws,
+            device_type=device_type or default_device_type(),
+        )
 
     # --------------------------------------------------------------------------------------------- mesh
     @cached_property
     def mesh(self):
         """The 4-D world mesh (built on first use; needs an initialised process group)."""
         from torch.distributed.device_mesh import init_device_mesh
+
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
         mesh = init_device_mesh(self.device_type, shape, mesh_dim_names=MESH_DIM_NAMES)
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
@@ -139,5 +148,7 @@ class ParallelDims:
         return dpr * self.dp_shard + dps
 
     def describe(self) -> str:
-        return (f"pp={self.pp} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} "
-                f"world={self.world_size} device={self.device_type}")
+        return (
+            f"pp={self.pp} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} "
+            f"world={self.world_size} device={self.device_type}"
+        )

@@ -16,15 +16,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 from collections import defaultdict
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from api.schemas import Plan, RunSpec
+from api.spec import Plan, RunSpec
 from workers.models import materialize
 from workers.parallel_dims import ParallelDims
 
@@ -46,16 +46,19 @@ def find_blocks(model: nn.Module, block_classes: Iterable[str] | None = None) ->
     """(parent, attribute/key, block) for every repeated block: ``model.layers`` for built-ins, else
     modules whose class name is in ``block_classes``, else the children of the largest ModuleList/Dict."""
     names = set(block_classes or ())
-    if not names and isinstance(getattr(model, "layers", None), (nn.ModuleDict, nn.ModuleList)):
-        return [(model.layers, k, b) for k, b in model.layers.named_children()]
-    if not names and hasattr(model, "block_class"):
-        names = {model.block_class.__name__}
-    if not names and getattr(model, "_no_split_modules", None):  # Hugging Face models name their blocks
+    layers = getattr(model, "layers", None)
+    if not names and isinstance(layers, (nn.ModuleDict, nn.ModuleList)):
+        return [(layers, k, b) for k, b in layers.named_children()]
+    block_class = getattr(model, "block_class", None)
+    if not names and block_class is not None:
+        names = {block_class.__name__}
+    no_split: list[str] = list(getattr(model, "_no_split_modules", None) or [])
+    if not names and no_split:  # Hugging Face models name their blocks
         present = {type(m).__name__ for m in model.modules()}
-        names = {n for n in model._no_split_modules if n in present}
+        names = {n for n in no_split if n in present}
     if names:
         out = []
-        for pname, parent in model.named_modules():
+        for _pname, parent in model.named_modules():
             for k, child in parent.named_children():
                 inner = getattr(child, "_checkpoint_wrapped_module", child)
                 if type(inner).__name__ in names or any(type(inner).__name__ == f"FSDP{n}" for n in names):
@@ -86,8 +89,14 @@ def _styles_from_strings(model: nn.Module, plan: dict[str, str]) -> dict:
     return tp_styles(model, plan)
 
 
-def apply_tp(model: nn.Module, tp_mesh, *, sequence_parallel: bool = False, loss_parallel: bool = False,
-             tp_plan: dict[str, str] | None = None) -> nn.Module:
+def apply_tp(
+    model: nn.Module,
+    tp_mesh,
+    *,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    tp_plan: dict[str, str] | None = None,
+) -> nn.Module:
     """Megatron tensor parallelism from the model's own plan (or a user plan of style strings)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -98,8 +107,13 @@ def apply_tp(model: nn.Module, tp_mesh, *, sequence_parallel: bool = False, loss
     else:
         raise ValueError("tensor parallel needs a plan: give model.tp_plan or use tp=1")
     parallelize_module(model, tp_mesh, styles)
-    log.info("applied TP over %d ranks (sequence_parallel=%s, loss_parallel=%s) to %d modules",
-             tp_mesh.size(), sequence_parallel, loss_parallel, len(styles))
+    log.info(
+        "applied TP over %d ranks (sequence_parallel=%s, loss_parallel=%s) to %d modules",
+        tp_mesh.size(),
+        sequence_parallel,
+        loss_parallel,
+        len(styles),
+    )
     return model
 
 
@@ -116,16 +130,34 @@ def apply_ac(model: nn.Module, mode: str, *, block_classes: Iterable[str] | None
         pos = int(key) if str(key).isdigit() else idx
         if mode == "selective" and pos % 2:
             continue
-        _set_child(parent, key, checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                                   preserve_rng_state=False))
+        _set_child(
+            parent,
+            key,
+            checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False),
+        )
         n += 1
     log.info("activation checkpointing '%s' on %d blocks", mode, n)
     return model
 
 
 # -------------------------------------------------------------------------------------------- FSDP
-def apply_fsdp(model: nn.Module, dp_mesh, *, reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None,
-               cpu_offload: bool = False, block_classes: Iterable[str] | None = None) -> nn.Module:
+def apply_compile(model: nn.Module, *, block_classes: Iterable[str] | None = None) -> nn.Module:
+    """``torch.compile`` each repeated block in place (``nn.Module.compile``: parameter names and checkpoints stay
+    the same); torchtitan's order: after TP and activation checkpointing, before FSDP."""
+    for _parent, _key, block in find_blocks(model, block_classes):
+        block.compile()
+    return model
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh,
+    *,
+    reshard_after_forward: bool = True,
+    param_dtype: torch.dtype | None = None,
+    cpu_offload: bool = False,
+    block_classes: Iterable[str] | None = None,
+) -> nn.Module:
     """FSDP2: shard each block, then the root (ZeRO-3; reshard_after_forward=False ~ ZeRO-2).
     A 2-D mesh (replicate, shard) gives HSDP."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -140,61 +172,69 @@ def apply_fsdp(model: nn.Module, dp_mesh, *, reshard_after_forward: bool = True,
         # the last block's params are needed again right away by backward: keep them unsharded
         fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **kw)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
-    log.info("applied FSDP2 over mesh %s (reshard_after_forward=%s, %d blocks)", dp_mesh.mesh_dim_names,
-             reshard_after_forward, len(blocks))
+    log.info(
+        "applied FSDP2 over mesh %s (reshard_after_forward=%s, %d blocks)",
+        dp_mesh.mesh_dim_names,
+        reshard_after_forward,
+        len(blocks),
+    )
     return model
 
 
 # --------------------------------------------------------------------------------------------- DDP
-def _timed_hook(hook, timer):
-    def wrapped(state, bucket):
-        t0 = time.perf_counter()
-        fut = hook(state, bucket)
-        if timer is not None:
-            fut.add_done_callback(lambda _f: timer.add_interval(t0, time.perf_counter()))
-        return fut
-    return wrapped
-
-
 def _allreduce_hook(pg, bucket):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
     return default_hooks.allreduce_hook(pg, bucket)
 
 
 def _bf16_hook(pg, bucket):
     """bf16 compression that also runs on gloo (``bf16_compress_hook`` refuses non-CUDA backends)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
     return default_hooks._compress_hook(torch.bfloat16, pg, bucket)
 
 
 def _fp16_hook(pg, bucket):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
     return default_hooks.fp16_compress_hook(pg, bucket)
 
 
-def apply_ddp(model: nn.Module, dp_group, *, compression: str = "none", device: torch.device | None = None,
-              comm_timer=None) -> nn.Module:
+def apply_ddp(
+    model: nn.Module, dp_group, *, compression: str = "none", device: torch.device | None = None
+) -> nn.Module:
+    """DDP with the gradient-compression hook, timed per bucket (``workers.comm_hooks.timed_ddp_hook``)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from workers.comm_hooks import timed_ddp_hook
+
     device_ids = [device.index] if device is not None and device.type == "cuda" else None
-    ddp = DDP(model, process_group=dp_group, device_ids=device_ids, bucket_cap_mb=25,
-              gradient_as_bucket_view=True)
+    ddp = DDP(model, process_group=dp_group, device_ids=device_ids, bucket_cap_mb=25, gradient_as_bucket_view=True)
     if compression == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-        state = psgd.PowerSGDState(process_group=dp_group, matrix_approximation_rank=1, start_powerSGD_iter=2,
-                                   min_compression_rate=2)
-        ddp.register_comm_hook(state, _timed_hook(psgd.powerSGD_hook, comm_timer))
+
+        state = psgd.PowerSGDState(
+            process_group=dp_group, matrix_approximation_rank=1, start_powerSGD_iter=2, min_compression_rate=2
+        )
+        ddp.register_comm_hook(state, timed_ddp_hook(psgd.powerSGD_hook))
     else:
         hook = {"none": _allreduce_hook, "fp16": _fp16_hook, "bf16": _bf16_hook}[compression]
-        ddp.register_comm_hook(dp_group, _timed_hook(hook, comm_timer))
+        ddp.register_comm_hook(dp_group, timed_ddp_hook(hook))
     log.info("applied DDP over %d ranks (compression=%s)", dist.get_world_size(dp_group), compression)
     return ddp
 
 
 # ------------------------------------------------------------------------------------- the decision
-def parallelize_model(model: nn.Module, dims: ParallelDims, plan: Plan, spec: RunSpec, *,
-                      device: torch.device | str | None = None, comm_timer=None,
-                      init_on_meta: bool | None = None) -> nn.Module:
+def parallelize_model(
+    model: nn.Module,
+    dims: ParallelDims,
+    plan: Plan,
+    spec: RunSpec,
+    *,
+    device: torch.device | str | None = None,
+    init_on_meta: bool | None = None,
+) -> nn.Module:
     """Apply TP -> AC -> FSDP/DDP to ``model`` (a whole model or one pipeline part) and give it weights.
 
     ``model`` may be on the meta device: it is materialised on ``device`` with ``init_weights`` (seeded by
@@ -210,7 +250,9 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, plan: Plan, spec: Ru
     dtype = _DTYPES[spec.precision]
     block_classes = spec.model.block_classes
 
-    use_fsdp = plan.zero_stage >= 2 or (plan.zero_stage == 0 and dims.dp_enabled and (dims.tp_enabled or dims.pp_enabled))
+    use_fsdp = plan.zero_stage >= 2 or (
+        plan.zero_stage == 0 and dims.dp_enabled and (dims.tp_enabled or dims.pp_enabled)
+    )
     use_ddp = not use_fsdp and dims.dp_enabled
     nbytes = sum(p.numel() for p in model.parameters()) * 4
     if init_on_meta is None:
@@ -221,26 +263,43 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, plan: Plan, spec: Ru
     elif not on_meta:
         model.to(device)
 
-    user_plan = spec.model.tp_plan or None
-    loss_parallel = dims.tp_enabled and not dims.pp_enabled and user_plan is None and hasattr(model, "tp_plan") \
+    user_plan: dict[str, str] | None = dict(spec.model.tp_plan) if spec.model.tp_plan else None
+    loss_parallel = (
+        dims.tp_enabled
+        and not dims.pp_enabled
+        and user_plan is None
+        and hasattr(model, "tp_plan")
         and getattr(model, "output", None) is not None
+    )
     if dims.tp_enabled:
-        apply_tp(model, dims.tp_mesh, sequence_parallel=lay.sequence_parallel, loss_parallel=loss_parallel,
-                 tp_plan=user_plan)
+        apply_tp(
+            model, dims.tp_mesh, sequence_parallel=lay.sequence_parallel, loss_parallel=loss_parallel, tp_plan=user_plan
+        )
     if spec.activation_checkpointing != "none":
         apply_ac(model, spec.activation_checkpointing, block_classes=block_classes)
+    if spec.compile:
+        apply_compile(model, block_classes=block_classes)
 
     dp_kind = None
     autocast = dtype if dtype != torch.float32 else None
     if use_fsdp:
         mesh = dims.mesh["dp_replicate", "dp_shard"] if (dims.dp_replicate > 1) else dims.mesh["dp_shard"]
-        model = apply_fsdp(model, mesh, reshard_after_forward=plan.zero_stage != 2, param_dtype=dtype,
-                           cpu_offload=lay.cpu_offload, block_classes=block_classes)
+        model = apply_fsdp(
+            model,
+            mesh,
+            reshard_after_forward=plan.zero_stage != 2,
+            param_dtype=dtype,
+            cpu_offload=lay.cpu_offload,
+            block_classes=block_classes,
+        )
         dp_kind, autocast = "fsdp", None
     elif use_ddp:
-        model = apply_ddp(model, dims.mesh["dp_replicate"].get_group(),
-                          compression=lay.grad_compression if plan.zero_stage == 0 else "none",
-                          device=device, comm_timer=comm_timer)
+        model = apply_ddp(
+            model,
+            dims.mesh["dp_replicate"].get_group(),
+            compression=lay.grad_compression if plan.zero_stage == 0 else "none",
+            device=device,
+        )
         dp_kind = "ddp"
     if init_on_meta:
         materialize(model, device=device, seed=seed)
@@ -248,9 +307,10 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, plan: Plan, spec: Ru
         # the pipeline schedule calls forward itself: put autocast inside this part's forward
         model.forward = torch.autocast(device_type=device.type, dtype=autocast)(model.forward)
         autocast = None
-    model.meshrun_dp = dp_kind
-    model.meshrun_autocast = autocast
-    model.meshrun_loss_parallel = loss_parallel
+    # recorded on the module for the loop and the pipeline runner (plain attributes, not submodules)
+    setattr(model, "meshrun_dp", dp_kind)  # noqa: B010
+    setattr(model, "meshrun_autocast", autocast)  # noqa: B010
+    setattr(model, "meshrun_loss_parallel", loss_parallel)  # noqa: B010
     return model
 
 
@@ -259,9 +319,9 @@ def grad_sync(model: nn.Module, is_last_microbatch: bool):
     """Context for one micro-batch's forward+backward: skip the gradient reduction except on the last."""
     kind = getattr(model, "meshrun_dp", None)
     if kind == "ddp" and not is_last_microbatch:
-        return model.no_sync()
+        return getattr(model, "no_sync")()  # noqa: B009 - DDP
     if kind == "fsdp":
-        model.set_requires_gradient_sync(is_last_microbatch)
+        getattr(model, "set_requires_gradient_sync")(is_last_microbatch)  # noqa: B009 - FSDPModule
     return contextlib.nullcontext()
 
 
@@ -270,8 +330,9 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float | None, *, pp_group=None,
-                    norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(
+    params: Iterable[torch.Tensor], max_norm: float | None, *, pp_group=None, norm_type: float = 2.0
+) -> torch.Tensor:
     """Global gradient norm (and clipping when ``max_norm``) over parameters on several meshes.
 
     ``torch.nn.utils.clip_grad_norm_`` fails on a mix of DTensor meshes and plain tensors, so: group by
@@ -301,6 +362,10 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float | None, *, p
     if max_norm is not None:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grads in groups.values():
-            for g in grads:
-                (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.device))
+            local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+            by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+            for g in local:
+                by_device[g.device].append(g)
+            for gdev, gs in by_device.items():
+                torch._foreach_mul_(gs, coef.to(gdev))  # one fused multiply per device (no per-tensor loop)
     return total

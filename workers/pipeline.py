@@ -44,7 +44,7 @@ __all__ = [
     "stage_module_names",
 ]
 
-# schedule name (api.schemas.PPSchedule) -> (torch class name, stages per rank rule)
+# schedule name (api.spec.PPSchedule) -> (torch class name, stages per rank rule)
 SCHEDULES: dict[str, str] = {
     "gpipe": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
@@ -73,7 +73,7 @@ class _KeptLayers(nn.ModuleDict):
     def __iter__(self) -> Iterator[nn.Module]:  # type: ignore[override]
         return iter(self.values())
 
-    def __getitem__(self, idx: int | str) -> nn.Module:  # type: ignore[override]
+    def __getitem__(self, idx: int | str) -> nn.Module:
         if isinstance(idx, int):
             return list(self.values())[idx]
         return super().__getitem__(idx)
@@ -102,13 +102,16 @@ def _layer_container_name(model: nn.Module) -> str:
         return "layers"
     names = [n for n, c in model.named_children() if _is_container(c)]
     if len(names) != 1:
-        raise ValueError(f"cannot find the model's layer container (found {names or 'none'}); give "
-                         "model.pp_split_points [module names where stages begin]")
+        raise ValueError(
+            f"cannot find the model's layer container (found {names or 'none'}); give "
+            "model.pp_split_points [module names where stages begin]"
+        )
     return names[0]
 
 
-def stage_module_names(model: nn.Module, n_stages: int, *,
-                       split_points: Sequence[str] | None = None) -> list[list[str]]:
+def stage_module_names(
+    model: nn.Module, n_stages: int, *, split_points: Sequence[str] | None = None
+) -> list[list[str]]:
     """Module names kept by each of ``n_stages`` stages (names as in ``_units``: ``tok_emb``, ``layers.3``).
 
     Without split points (built-in models): the layers of the layer container are spread evenly over the
@@ -122,14 +125,18 @@ def stage_module_names(model: nn.Module, n_stages: int, *,
     units = _units(model)
     if split_points:
         if len(split_points) != n_stages - 1:
-            raise ValueError(f"model.pp_split_points: {len(split_points)} split points make "
-                             f"{len(split_points) + 1} stages but the layout has {n_stages}; give "
-                             f"{n_stages - 1} split points")
+            raise ValueError(
+                f"model.pp_split_points: {len(split_points)} split points make "
+                f"{len(split_points) + 1} stages but the layout has {n_stages}; give "
+                f"{n_stages - 1} split points"
+            )
         idx = []
         for sp in split_points:
             if sp not in units:
-                raise ValueError(f"model.pp_split_points: '{sp}' is not a top-level module or an entry of a "
-                                 f"layer container of the model; use names from {units[:8]}...")
+                raise ValueError(
+                    f"model.pp_split_points: '{sp}' is not a top-level module or an entry of a "
+                    f"layer container of the model; use names from {units[:8]}..."
+                )
             idx.append(units.index(sp))
         bounds = [0, *idx, len(units)]
         if any(b >= e for b, e in zip(bounds, bounds[1:])):
@@ -139,16 +146,18 @@ def stage_module_names(model: nn.Module, n_stages: int, *,
     container = _layer_container_name(model)
     layers = [u for u in units if u.startswith(container + ".")]
     if n_stages > len(layers):
-        raise ValueError(f"layout.pp: {n_stages} pipeline stages exceed the model's {len(layers)} layers; use "
-                         f"pp x pp_virtual_stages <= {len(layers)}")
+        raise ValueError(
+            f"layout.pp: {n_stages} pipeline stages exceed the model's {len(layers)} layers; use "
+            f"pp x pp_virtual_stages <= {len(layers)}"
+        )
     first = units.index(layers[0])
-    before, after = units[:first], units[first + len(layers):]
+    before, after = units[:first], units[first + len(layers) :]
     per, extra = divmod(len(layers), n_stages)
     out: list[list[str]] = []
     start = 0
     for s in range(n_stages):
         n = per + (1 if s < extra else 0)
-        out.append(layers[start:start + n])
+        out.append(layers[start : start + n])
         start += n
     out[0] = before + out[0]
     out[-1] = out[-1] + after
@@ -198,12 +207,16 @@ def stage_ids_for_rank(pp_rank: int, pp: int, n_stages: int, *, schedule: str) -
         raise ValueError(f"{n_stages} stages do not divide over pp={pp} ranks")
     per_rank = n_stages // pp
     if schedule in _SINGLE_STAGE and per_rank != 1:
-        raise ValueError(f"layout.pp_virtual_stages: schedule {schedule} runs one stage per rank, got "
-                         f"{per_rank}; set pp_virtual_stages=1 or use interleaved_1f1b")
+        raise ValueError(
+            f"layout.pp_virtual_stages: schedule {schedule} runs one stage per rank, got "
+            f"{per_rank}; set pp_virtual_stages=1 or use interleaved_1f1b"
+        )
     if schedule in _V_SHAPED:
         if per_rank != 2:
-            raise ValueError(f"layout.pp_virtual_stages: schedule {schedule} needs 2 stages per rank, got "
-                             f"{per_rank}; set pp_virtual_stages=2")
+            raise ValueError(
+                f"layout.pp_virtual_stages: schedule {schedule} needs 2 stages per rank, got "
+                f"{per_rank}; set pp_virtual_stages=2"
+            )
         return [pp_rank, n_stages - 1 - pp_rank]
     return [pp_rank + s * pp for s in range(per_rank)]
 
@@ -222,7 +235,7 @@ def _pp_mesh(dims: Any):
     if callable(get):
         try:
             return get("pp")
-        except Exception:  # noqa: BLE001 - fall through to the attribute forms
+        except Exception:
             pass
     for attr in ("world_mesh", "mesh", "device_mesh"):
         mesh = getattr(dims, attr, None)
@@ -247,8 +260,9 @@ class PipelineRunner:
     in the parts' parameters (already reduced over dp by FSDP/DDP); the optimizer step is the caller's.
     """
 
-    def __init__(self, *, schedule: Any, stages: list[Any], model_parts: list[nn.Module], schedule_name: str,
-                 n_microbatches: int):
+    def __init__(
+        self, *, schedule: Any, stages: list[Any], model_parts: list[nn.Module], schedule_name: str, n_microbatches: int
+    ):
         self.schedule = schedule
         self.stages = stages
         self.model_parts = model_parts
@@ -259,18 +273,22 @@ class PipelineRunner:
         self.has_last_stage = any(s.is_last for s in stages)
 
     def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor | None:
-        for name, t in (("inputs", inputs if self.has_first_stage else None),
-                        ("targets", targets if self.has_last_stage else None)):
+        for name, t in (
+            ("inputs", inputs if self.has_first_stage else None),
+            ("targets", targets if self.has_last_stage else None),
+        ):
             if t is not None and t.shape[0] % self.n_microbatches:
-                raise ValueError(f"{name} hold {t.shape[0]} sequences, not a multiple of the pipeline's "
-                                 f"{self.n_microbatches} micro-batches; pass the rank's whole batch "
-                                 "(microbatches_per_step x micro_batch_size)")
+                raise ValueError(
+                    f"{name} hold {t.shape[0]} sequences, not a multiple of the pipeline's "
+                    f"{self.n_microbatches} micro-batches; pass the rank's whole batch "
+                    "(microbatches_per_step x micro_batch_size)"
+                )
         args = (inputs,) if self.has_first_stage else ()
         with self._context():
             if self.has_last_stage:
                 losses: list[torch.Tensor] = []
                 self.schedule.step(*args, target=targets, losses=losses)
-                return torch.stack([_local(l).detach().float() for l in losses]).sum()
+                return torch.stack([_local(x).detach().float() for x in losses]).sum()
             self.schedule.step(*args)
         return None
 
@@ -278,8 +296,14 @@ class PipelineRunner:
         """Autocast / loss_parallel as ``workers.parallelize`` recorded on the parts (``meshrun_autocast``:
         a dtype for unsharded low-precision parts; ``meshrun_loss_parallel``: vocab-sharded logits)."""
         stack = contextlib.ExitStack()
-        dtype = next((getattr(p, "meshrun_autocast", None) for p in self.model_parts
-                      if getattr(p, "meshrun_autocast", None) is not None), None)
+        dtype = next(
+            (
+                getattr(p, "meshrun_autocast", None)
+                for p in self.model_parts
+                if getattr(p, "meshrun_autocast", None) is not None
+            ),
+            None,
+        )
         if dtype is not None:
             dev = self.stages[0].device.type if self.stages else "cpu"
             stack.enter_context(torch.autocast(dev, dtype=dtype))
@@ -290,8 +314,10 @@ class PipelineRunner:
         return stack
 
     def __repr__(self) -> str:
-        return (f"PipelineRunner(schedule={self.schedule_name}, stages={self.stage_ids}, "
-                f"microbatches={self.n_microbatches})")
+        return (
+            f"PipelineRunner(schedule={self.schedule_name}, stages={self.stage_ids}, "
+            f"microbatches={self.n_microbatches})"
+        )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -299,9 +325,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return full() if callable(full) else t
 
 
-def build_pipeline(model: nn.Module, *, dims: Any, plan: Any, spec: Any, device: torch.device | str,
-                   parallelize_fn: Callable[[nn.Module], nn.Module | None],
-                   loss_fn: Callable[..., torch.Tensor]) -> PipelineRunner:
+def build_pipeline(
+    model: nn.Module,
+    *,
+    dims: Any,
+    plan: Any,
+    spec: Any,
+    device: torch.device | str,
+    parallelize_fn: Callable[[nn.Module], nn.Module | None],
+    loss_fn: Callable[..., torch.Tensor],
+) -> PipelineRunner:
     """Split ``model`` into ``plan.pp_stages_total`` stages, keep this rank's, parallelize them, schedule.
 
     ``model`` is the full model (on any device, meta included: the parts are deep copies and the caller
@@ -315,8 +348,9 @@ def build_pipeline(model: nn.Module, *, dims: Any, plan: Any, spec: Any, device:
     pp_rank, pp = pp_mesh.get_local_rank(), pp_mesh.size()
     n_stages = int(plan.pp_stages_total)
     if pp != plan.pp:
-        raise ValueError(f"the pp mesh has {pp} ranks but the plan says pp={plan.pp}; build ParallelDims from "
-                         "this plan")
+        raise ValueError(
+            f"the pp mesh has {pp} ranks but the plan says pp={plan.pp}; build ParallelDims from this plan"
+        )
     layout = getattr(spec, "layout", None)
     schedule_name = layout.pp_schedule if layout is not None else ("1f1b" if n_stages == pp else "interleaved_1f1b")
     model_spec = getattr(spec, "model", None)
@@ -340,7 +374,12 @@ def build_pipeline(model: nn.Module, *, dims: Any, plan: Any, spec: Any, device:
 
     n_mb = int(plan.microbatches_per_step)
     cls = _schedule_class(schedule_name)
-    schedule = cls(stages[0] if schedule_name in _SINGLE_STAGE else stages, n_microbatches=n_mb,
-                   loss_fn=_scaled_loss(loss_fn, n_mb), scale_grads=False)
-    return PipelineRunner(schedule=schedule, stages=stages, model_parts=parts, schedule_name=schedule_name,
-                          n_microbatches=n_mb)
+    schedule = cls(
+        stages[0] if schedule_name in _SINGLE_STAGE else stages,
+        n_microbatches=n_mb,
+        loss_fn=_scaled_loss(loss_fn, n_mb),
+        scale_grads=False,
+    )
+    return PipelineRunner(
+        schedule=schedule, stages=stages, model_parts=parts, schedule_name=schedule_name, n_microbatches=n_mb
+    )

@@ -9,8 +9,8 @@ as ``ray_<gauge name>`` (e.g. ``ray_meshrun_train_loss``). A row with ``peak_mem
 indexed by rank) publishes the peak-memory gauge once per rank, tagged with that rank.
 
 Guarantees:
-- importing this module is cheap (no ray, no torch): ray is only touched inside ``publish``, and only if the
-  process already imported it (under ``torchrun`` without Ray publishing is a silent no-op);
+- importing this module is cheap (no ray, no torch; only the spec): ray is only touched inside ``publish``, and
+  only if the process already imported it (under ``torchrun`` without Ray publishing is a silent no-op);
 - ``publish`` never raises into the training loop: the first failure is logged once and the publisher turns
   itself off.
 """
@@ -24,21 +24,18 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from api.spec.metrics import GAUGES as METRIC_GAUGES
+from api.spec.metrics import METRIC_ROW_FIELDS, PEAK_MEMORY_PER_RANK
+
 logger = logging.getLogger(__name__)
 
 TAG_KEYS: tuple[str, ...] = ("run_id", "run_name", "rank")
 
-# Metrics-row field -> (gauge name as created in Ray, description). Prometheus sees "ray_" + the gauge name.
+# Metrics-row field -> (gauge name as created in Ray, description): every field of the metric row with a gauge
+# name (api.spec.metrics, the one definition of a metric row). Prometheus sees "ray_" + the gauge name.
+GAUGE_PREFIX = "meshrun_train_"
 GAUGES: dict[str, tuple[str, str]] = {
-    "step": ("meshrun_train_step", "Last training step reported by the worker."),
-    "loss": ("meshrun_train_loss", "Training loss at the last step."),
-    "tokens_per_s": ("meshrun_train_tokens_per_second", "Training throughput of the run in tokens/s."),
-    "step_time_s": ("meshrun_train_step_time_seconds", "Wall time of the last training step in seconds."),
-    "mfu": ("meshrun_train_mfu", "Model FLOPs utilisation (0..1) at the last step."),
-    "peak_memory_bytes": ("meshrun_train_peak_memory_bytes", "Peak accelerator/host memory of the worker."),
-    "comm_fraction": ("meshrun_train_comm_fraction", "Share of the step spent in communication (0..1)."),
-    "grad_norm": ("meshrun_train_grad_norm", "Gradient norm at the last step."),
-    "lr": ("meshrun_train_learning_rate", "Learning rate at the last step."),
+    field: (GAUGE_PREFIX + gauge, METRIC_ROW_FIELDS[field].description) for field, gauge in METRIC_GAUGES.items()
 }
 
 # Prometheus-side names (what Grafana queries), for dashboards and tests.
@@ -64,8 +61,9 @@ def _get_gauges() -> dict[str, Any]:
         if _gauges is None:
             from ray.util.metrics import Gauge  # only reached inside a Ray process
 
-            _gauges = {field: Gauge(name, description=desc, tag_keys=TAG_KEYS)
-                       for field, (name, desc) in GAUGES.items()}
+            _gauges = {
+                field: Gauge(name, description=desc, tag_keys=TAG_KEYS) for field, (name, desc) in GAUGES.items()
+            }
         return _gauges
 
 
@@ -98,11 +96,13 @@ class RunMetricsPublisher:
             return
         try:
             if not _ray_ready():
-                self._disable("ray is not initialised in this process; training metrics go to the database "
-                              "only", level=logging.DEBUG)
+                self._disable(
+                    "ray is not initialised in this process; training metrics go to the database only",
+                    level=logging.DEBUG,
+                )
                 return
             gauges = _get_gauges()
-            per_rank = row.get("peak_memory_bytes_per_rank")
+            per_rank = row.get(PEAK_MEMORY_PER_RANK)
             per_rank = per_rank if isinstance(per_rank, (list, tuple)) else None
             for field, gauge in gauges.items():
                 if field == "peak_memory_bytes" and per_rank is not None:
@@ -115,9 +115,11 @@ class RunMetricsPublisher:
                 if value is not None:
                     gauge.set(value, tags=self.tags)
             self.published += 1
-        except Exception as exc:  # noqa: BLE001 - metrics must never break training
-            self._disable(f"publishing Ray metrics failed ({type(exc).__name__}: {exc}); "
-                          "further training metrics of this worker are not exported to Prometheus")
+        except Exception as exc:
+            self._disable(
+                f"publishing Ray metrics failed ({type(exc).__name__}: {exc}); "
+                "further training metrics of this worker are not exported to Prometheus"
+            )
 
     def _disable(self, message: str, *, level: int = logging.WARNING) -> None:
         self._enabled = False

@@ -7,9 +7,19 @@ Per worker group start (an attempt):
    attempt number;
 3. resume from ``ray.train.get_checkpoint()`` (a restart after a failure) or else ``config["resume_from"]``
    (a user resume of an earlier run);
-4. train: rank 0's per-step rows go fire-and-forget to the channel in small batches (every
-   ``FLUSH_INTERVAL_S``; never through ``ray.train.report``, a ~2 s barrier); each checkpoint (every rank saves its shard into its own local directory) is reported with
+4. train: rank 0's per-step rows (``api.spec.metrics.MetricRow`` keys, incl. the per-rank step-time breakdown
+   ``breakdown_per_rank``; they arrive once per report of ``workers.reporting``) go fire-and-forget to the
+   channel in small batches (every ``FLUSH_INTERVAL_S``; never through ``ray.train.report``, a ~2 s barrier);
+   each checkpoint (every rank saves its shard into its own local directory) is reported with
    ``ray.train.report(..., checkpoint=...)``, which merges the ranks' directories in the run's storage.
+
+Diagnostics (``workers.diagnostics``, ``workers.profiling``): every rank writes its "where am I" state to
+``<local_checkpoint_root or tmp>/meshrun-state/<run_id>/a<attempt>/rank<r>.json`` on its node (stack dumps on
+SIGUSR1 next to it) and, when the channel actor offers ``rank_state(attempt, snapshot)``, sends the same
+snapshot there every few seconds (fire and forget). Rank 0 polls ``control()`` (if offered; else
+``should_stop()``) at each report: ``{"stop": True}`` stops every rank after the step, ``{"profile_steps": k}``
+profiles the next k steps on every rank; trace files are written on each node and, when the channel offers
+``artifact(attempt, rank, name, text)``, sent there.
 
 Imports ray and torch only (no fastapi, no sqlalchemy).
 """
@@ -18,23 +28,28 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import logging
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import ray
 import ray.train
 import torch.distributed as dist
 
+from api.spec.metrics import PEAK_MEMORY_PER_RANK
+from workers.ray_metrics import RunMetricsPublisher
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_TRAIN_FN = "workers.loop:train"
-FLUSH_INTERVAL_S = 0.25     # rank 0 batches per-step rows to the run channel at most this often
-PUBLISH_INTERVAL_S = 1.0    # Ray metrics gauges (latest value) at most this often
+FLUSH_INTERVAL_S = 0.25  # rank 0 batches per-step rows to the run channel at most this often
+PUBLISH_INTERVAL_S = 1.0  # Ray metrics gauges (latest value) at most this often
 
 
 class TPGroupSplitError(RuntimeError):
@@ -45,12 +60,14 @@ def check_tp_groups(rank_nodes: list[str], tp: int) -> str | None:
     """None if every TP group (tp consecutive ranks) is on one node, else a message naming the first split."""
     tp = max(1, tp)
     for start in range(0, len(rank_nodes), tp):
-        grp = rank_nodes[start:start + tp]
+        grp = rank_nodes[start : start + tp]
         if len(set(grp)) > 1:
-            return (f"tensor-parallel group of ranks {start}..{start + len(grp) - 1} spans nodes "
-                    f"{sorted(set(grp))}; a TP group must share one node. Ranks per node: "
-                    f"{_counts(rank_nodes)}. Place whole TP groups per node (each node a multiple of tp={tp} "
-                    "workers) or lower tp")
+            return (
+                f"tensor-parallel group of ranks {start}..{start + len(grp) - 1} spans nodes "
+                f"{sorted(set(grp))}; a TP group must share one node. Ranks per node: "
+                f"{_counts(rank_nodes)}. Place whole TP groups per node (each node a multiple of tp={tp} "
+                "workers) or lower tp"
+            )
     return None
 
 
@@ -79,20 +96,64 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
-def _publisher(run_id: str, run_name: str, rank: int):
-    try:
-        from workers.ray_metrics import RunMetricsPublisher
-    except ImportError:  # the deployment's gauges are optional
-        return None
+def _publisher(run_id: str, run_name: str, rank: int) -> RunMetricsPublisher | None:
     try:
         return RunMetricsPublisher(run_id, run_name, rank)
-    except Exception:  # noqa: BLE001
+    except Exception:
         logger.exception("metrics publisher unavailable")
         return None
 
 
+def _has_method(actor: Any, name: str) -> bool:
+    try:
+        getattr(actor, name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _accepted(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments ``fn`` takes (a configured train function may predate the diagnostics hooks)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def _channel_hooks(channel: Any, attempt: int, rank: int) -> dict[str, Any]:
+    """The optional diagnostics callbacks this run's channel actor supports (see the module docstring)."""
+    hooks: dict[str, Any] = {}
+    if _has_method(channel, "rank_state"):
+        hooks["on_state"] = lambda snap: channel.rank_state.remote(attempt, snap)
+    if _has_method(channel, "artifact"):
+
+        def on_profile(first: int, last: int, paths: list[str]) -> None:
+            for path in paths:
+                name = f"profile/steps_{first:08d}-{last:08d}/{Path(path).name}"
+                channel.artifact.remote(attempt, rank, name, Path(path).read_text())
+
+        hooks["on_profile"] = on_profile
+    if rank == 0 and (_has_method(channel, "control") or _has_method(channel, "should_stop")):
+        use_control = _has_method(channel, "control")
+
+        def control() -> dict[str, Any] | None:
+            try:
+                if use_control:
+                    return ray.get(channel.control.remote(), timeout=10)
+                return {"stop": bool(ray.get(channel.should_stop.remote(), timeout=10))}
+            except Exception as e:  # a slow or lost channel must not stop training
+                logger.warning("run channel control poll failed: %s", e)
+                return None
+
+        hooks["control"] = control
+    return hooks
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
-    from api.schemas import Plan, RunSpec
+    from api.spec import Plan, RunSpec
     from workers.loop import WorkerJob
 
     ctx = ray.train.get_context()
@@ -105,8 +166,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         raise RuntimeError("Ray Train did not initialise torch.distributed (TorchTrainer expected)")
 
     # 1. where is everybody; TP groups must share a node
-    me = {"rank": rank, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
-          "local_rank": ctx.get_local_rank(), "host": os.uname().nodename}
+    me = {
+        "rank": rank,
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "pid": os.getpid(),
+        "local_rank": ctx.get_local_rank(),
+        "host": os.uname().nodename,
+    }
     ranks = _gather_objects(me)
     rank_nodes = [r["node_id"] for r in ranks]
     problem = check_tp_groups(rank_nodes, plan.tp)
@@ -131,7 +197,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     pub = _publisher(run_id, config.get("run_name") or run_id, rank) if rank == 0 else None
     buffer: list[dict[str, Any]] = []
-    last = {"flush": time.monotonic(), "publish": 0.0, "row": None}
+    last: dict[str, Any] = {"flush": time.monotonic(), "publish": 0.0, "row": None}
 
     def flush() -> None:
         if buffer:
@@ -143,10 +209,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             last["row"] = None
 
     def sink(row: dict[str, Any]) -> None:
-        clean = {k: v for k, v in row.items() if k != "peak_memory_bytes_per_rank"}
-        per_rank = row.get("peak_memory_bytes_per_rank")
+        clean = {k: v for k, v in row.items() if k != PEAK_MEMORY_PER_RANK}
+        per_rank = row.get(PEAK_MEMORY_PER_RANK)
         if per_rank is not None:
-            clean["peak_memory_bytes_per_rank"] = list(per_rank)
+            clean[PEAK_MEMORY_PER_RANK] = list(per_rank)
         buffer.append(clean)
         last["row"] = row
         now = time.monotonic()
@@ -163,23 +229,39 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             flush()
         if not path:
             return
-        ray.train.report({"step": int(step), "attempt": attempt},
-                         checkpoint=ray.train.Checkpoint.from_directory(path),
-                         checkpoint_dir_name=f"step_{int(step):08d}_a{attempt}",
-                         delete_local_checkpoint_after_upload=True)
+        ray.train.report(
+            {"step": int(step), "attempt": attempt},
+            checkpoint=ray.train.Checkpoint.from_directory(path),
+            checkpoint_dir_name=f"step_{int(step):08d}_a{attempt}",
+            delete_local_checkpoint_after_upload=True,
+        )
+
+    state_dir = local_root.parent.parent / "meshrun-state" / run_id / f"a{attempt}"
+    profile_dir = local_root.parent.parent / "meshrun-profiles" / run_id / f"a{attempt}"
+    hooks = _channel_hooks(channel, attempt, rank)
 
     train_fn = _load(config.get("train_fn") or DEFAULT_TRAIN_FN)
     try:
         with resume_cm as resume_from:
             if resume_from:
                 logger.info("rank %d: resuming from %s", rank, resume_from)
-            job = WorkerJob(spec=spec, plan=plan, run_id=run_id, attempt=attempt, checkpoint_dir=str(ckpt_dir),
-                            resume_from=str(resume_from) if resume_from else None)
-            summary = train_fn(job, sink=sink, on_checkpoint=on_checkpoint)
+            job = WorkerJob(
+                spec=spec,
+                plan=plan,
+                run_id=run_id,
+                attempt=attempt,
+                checkpoint_dir=str(ckpt_dir),
+                resume_from=str(resume_from) if resume_from else None,
+                state_dir=str(state_dir),
+                profile_dir=str(profile_dir),
+            )
+            summary = train_fn(job, sink=sink, on_checkpoint=on_checkpoint, **_accepted(train_fn, hooks))
     finally:
         if rank == 0:
             flush()  # also the rows before a failure
         shutil.rmtree(ckpt_dir, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        (state_dir / f"rank{rank}.json").unlink()  # kept after a failure, for diagnosis
     if rank == 0:
         summary = {k: v for k, v in (summary or {}).items() if k != "losses"}
         ray.get(channel.done.remote(summary), timeout=60)

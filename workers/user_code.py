@@ -32,8 +32,9 @@ import logging
 import os
 import sys
 from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -59,8 +60,10 @@ def add_code_path(path: str | os.PathLike | None) -> str | None:
         return None
     p = Path(path).expanduser().resolve()
     if not p.is_dir():
-        raise UserCodeError("code.working_dir", f"'{path}' is not a directory on this machine; give the directory "
-                                                "that holds your package")
+        raise UserCodeError(
+            "code.working_dir",
+            f"'{path}' is not a directory on this machine; give the directory that holds your package",
+        )
     s = str(p)
     if s not in sys.path:
         sys.path.insert(0, s)
@@ -70,7 +73,7 @@ def add_code_path(path: str | os.PathLike | None) -> str | None:
 
 def import_entrypoint(entrypoint: str, *, param: str = "model.entrypoint") -> Callable[..., Any]:
     """``'pkg.module:function'`` -> the callable (importlib only). Raises UserCodeError naming ``param``."""
-    from api.schemas import ENTRYPOINT_RE
+    from api.spec import ENTRYPOINT_RE
 
     if not isinstance(entrypoint, str) or not ENTRYPOINT_RE.match(entrypoint):
         raise UserCodeError(param, f"'{entrypoint}' must look like 'package.module:function' (identifiers only)")
@@ -79,11 +82,17 @@ def import_entrypoint(entrypoint: str, *, param: str = "model.entrypoint") -> Ca
         mod = importlib.import_module(mod_name)
     except ModuleNotFoundError as e:
         missing = e.name or mod_name
-        where = "the module" if mod_name.startswith(missing) or missing.startswith(mod_name.split(".")[0]) \
+        where = (
+            "the module"
+            if mod_name.startswith(missing) or missing.startswith(mod_name.split(".")[0])
             else "a module it imports"
-        raise UserCodeError(param, f"cannot import '{mod_name}': {where} '{missing}' is not found on the workers' "
-                                   f"path ({e}); {_ENTRY_HELP} (or install it on the cluster)") from e
-    except Exception as e:  # noqa: BLE001 - user code may raise anything at import
+        )
+        raise UserCodeError(
+            param,
+            f"cannot import '{mod_name}': {where} '{missing}' is not found on the workers' "
+            f"path ({e}); {_ENTRY_HELP} (or install it on the cluster)",
+        ) from e
+    except Exception as e:
         raise UserCodeError(param, f"importing '{mod_name}' failed: {type(e).__name__}: {e}") from e
     fn = getattr(mod, attr, None)
     if fn is None:
@@ -132,13 +141,13 @@ def call_model_entrypoint(entrypoint: str, args: dict[str, Any] | None = None) -
     except TypeError as e:
         raise UserCodeError("model.args", f"{entrypoint}(**model.args) failed: {e}; check the argument names") from e
     if not isinstance(model, nn.Module):
-        raise UserCodeError("model.entrypoint", f"{entrypoint} returned {type(model).__name__}, not a "
-                                                "torch.nn.Module")
+        raise UserCodeError("model.entrypoint", f"{entrypoint} returned {type(model).__name__}, not a torch.nn.Module")
     return model
 
 
-def build_user_model(entrypoint: str, args: dict[str, Any] | None = None, *,
-                     device: str | torch.device = "meta") -> nn.Module:
+def build_user_model(
+    entrypoint: str, args: dict[str, Any] | None = None, *, device: str | torch.device = "meta"
+) -> nn.Module:
     """Build a user model. ``device="meta"``: parameters on meta (no memory), buffers real on CPU (kept by
     ``workers.models.materialize``); another device: built there for real."""
     if torch.device(device).type == "meta":
@@ -147,8 +156,9 @@ def build_user_model(entrypoint: str, args: dict[str, Any] | None = None, *,
     else:
         with torch.device(device):
             model = call_model_entrypoint(entrypoint, args)
-    if getattr(getattr(model, "config", None), "use_cache", None):
-        model.config.use_cache = False  # Hugging Face: no KV cache while training
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "use_cache", None):
+        config.use_cache = False  # Hugging Face: no KV cache while training
     model.register_forward_hook(_logits_only)
     return model
 
@@ -164,8 +174,10 @@ def block_classes(model: nn.Module, declared: Iterable[str] | None = None) -> li
         names = list(declared)
         missing = [n for n in names if n not in _class_names(model)]
         if missing:
-            raise UserCodeError("model.block_classes", f"no module of class {missing} in the model; classes "
-                                                       f"present: {sorted(_class_names(model))[:20]}")
+            raise UserCodeError(
+                "model.block_classes",
+                f"no module of class {missing} in the model; classes present: {sorted(_class_names(model))[:20]}",
+            )
         return names
     own = getattr(model, "block_class", None)
     if isinstance(own, type):
@@ -182,7 +194,8 @@ def block_classes(model: nn.Module, declared: Iterable[str] | None = None) -> li
 
 def block_modules(model: nn.Module, names: Iterable[str]) -> list[tuple[str, nn.Module]]:
     names = set(names)
-    out, inside = [], []
+    out: list[tuple[str, nn.Module]] = []
+    inside: list[str] = []
     for n, m in model.named_modules():
         if type(m).__name__ in names and not any(n.startswith(p + ".") for p in inside):
             out.append((n, m))
@@ -203,15 +216,19 @@ def check_tp_plan(model: nn.Module, tp_plan: dict[str, str] | None) -> list[str]
             continue
         hits = [n for n in modules if fnmatch.fnmatchcase(n, pattern)]
         if not hits:
-            errors.append(f"model.tp_plan pattern '{pattern}' matches no module of the model; module names look "
-                          f"like {_examples(modules)}")
+            errors.append(
+                f"model.tp_plan pattern '{pattern}' matches no module of the model; module names look "
+                f"like {_examples(modules)}"
+            )
             continue
         if style in ("colwise", "rowwise", "vocab_parallel"):
             bad = [n for n in hits if not isinstance(modules[n], (nn.Linear, nn.Embedding))]
             if bad:
-                errors.append(f"model.tp_plan['{pattern}'] = {style} matches {bad[0]} "
-                              f"({type(modules[bad[0]]).__name__}); {style} applies to nn.Linear / nn.Embedding "
-                              "modules only: make the pattern name those")
+                errors.append(
+                    f"model.tp_plan['{pattern}'] = {style} matches {bad[0]} "
+                    f"({type(modules[bad[0]]).__name__}); {style} applies to nn.Linear / nn.Embedding "
+                    "modules only: make the pattern name those"
+                )
     return errors
 
 
@@ -228,8 +245,12 @@ def tp_styles(model: nn.Module, tp_plan: dict[str, str]) -> dict[str, Any]:
     errors = check_tp_plan(model, tp_plan)
     if errors:
         raise UserCodeError("model.tp_plan", "; ".join(errors))
-    make = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence_parallel": SequenceParallel,
-            "vocab_parallel": lambda: RowwiseParallel(input_layouts=Replicate())}
+    make: dict[str, Callable[[], Any]] = {
+        "colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        "sequence_parallel": SequenceParallel,
+        "vocab_parallel": lambda: RowwiseParallel(input_layouts=Replicate()),
+    }
     names = [n for n, _ in model.named_modules() if n]
     out: dict[str, Any] = {}
     for pattern, style in tp_plan.items():
@@ -286,7 +307,7 @@ def inspect_model(spec: Any) -> dict[str, Any]:
     """Build ``spec``'s user model on the meta device (nothing allocated) and describe it for the planner:
     ``n_params``, ``n_blocks``, ``block_classes``, ``block_params`` (largest block), ``d_model`` / ``vocab_size``
     guesses, and ``errors`` (TP plan / split points / block classes that do not fit the model)."""
-    from api.schemas import RunSpec
+    from api.spec import RunSpec
 
     spec = spec if isinstance(spec, RunSpec) else RunSpec.model_validate(spec)
     ms = spec.model
@@ -308,10 +329,12 @@ def inspect_model(spec: Any) -> dict[str, Any]:
     if lay.pp > 1:
         errors += check_split_points(model, ms.pp_split_points, lay.pp * lay.pp_virtual_stages)
     vocab = int(max(embs, key=lambda e: e.weight.numel()).num_embeddings) if embs else None
-    warnings = []
+    warnings: list[str] = []
     if vocab is not None and ms.vocab_size is not None and ms.vocab_size > vocab:
-        errors.append(f"model.vocab_size={ms.vocab_size} exceeds the model's largest embedding ({vocab} rows): "
-                      f"token ids would be out of range; set model.vocab_size <= {vocab}")
+        errors.append(
+            f"model.vocab_size={ms.vocab_size} exceeds the model's largest embedding ({vocab} rows): "
+            f"token ids would be out of range; set model.vocab_size <= {vocab}"
+        )
     return {
         "entrypoint": ms.entrypoint,
         "class": type(model).__name__,
@@ -339,11 +362,11 @@ def main(argv: list[str] | None = None) -> int:
     ins.add_argument("--code-dir", default=None, help="directory to put on sys.path (default: spec.code)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    from api.yamlio import load_yaml
+    from api.spec.yamlio import load_yaml
 
     raw = sys.stdin.read() if args.spec == "-" else Path(args.spec).read_text()
     try:
-        from api.schemas import RunSpec
+        from api.spec import RunSpec
 
         spec = RunSpec.model_validate(load_yaml(raw) or {})
         code_dir = args.code_dir or (spec.code.working_dir if spec.code else None)
@@ -353,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         rc = 0
     except UserCodeError as e:
         out, rc = {"ok": False, "param": e.param, "error": e.message}, 2
-    except Exception as e:  # noqa: BLE001 - report, do not crash with a traceback only
+    except Exception as e:
         out, rc = {"ok": False, "param": "model.entrypoint", "error": f"{type(e).__name__}: {e}"}, 2
     sys.stdout.write(json.dumps(out) + "\n")
     return rc

@@ -8,7 +8,8 @@ import os
 import random
 import time
 import uuid
-from typing import Any, Callable, Mapping, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import httpx
 import pydantic
@@ -117,6 +118,8 @@ def _error_from_response(response: httpx.Response) -> APIStatusError:
             first = body["detail"][0]
             message = first.get("msg")
             param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        elif isinstance(body.get("reason"), str):  # /healthz of a degraded service: what is down
+            message = f"{body.get('status', 'degraded')}: {body['reason']}"
     if not message:
         text = body if isinstance(body, str) and body else response.reason_phrase
         message = f"HTTP {response.status_code}: {text}"[:500]
@@ -127,10 +130,17 @@ def _error_from_response(response: httpx.Response) -> APIStatusError:
 class BaseClient:
     """Holds the httpx client and performs every request. Subclassed by ``meshrun.Client``."""
 
-    def __init__(self, base_url: str | None = None, token: str | None = None, *,
-                 timeout: float | httpx.Timeout = DEFAULT_TIMEOUT_S, max_retries: int = DEFAULT_MAX_RETRIES,
-                 default_headers: Mapping[str, str] | None = None, http_client: httpx.Client | None = None,
-                 transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str | None = None,
+        token: str | None = None,
+        *,
+        timeout: float | httpx.Timeout = DEFAULT_TIMEOUT_S,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        default_headers: Mapping[str, str] | None = None,
+        http_client: httpx.Client | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         if max_retries < 0:
             raise ValueError("max_retries must be >= 0")
         self.base_url = (base_url or _env("MESHRUN_URL") or DEFAULT_BASE_URL).rstrip("/")
@@ -147,7 +157,7 @@ class BaseClient:
         if self._owns_http:
             self._http.close()
 
-    def __enter__(self):  # noqa: ANN204
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -171,13 +181,22 @@ class BaseClient:
             ra = _retry_after_s(response)
             if ra is not None and 0 <= ra <= MAX_RETRY_AFTER_S:
                 return ra
-        delay = min(INITIAL_RETRY_DELAY_S * (2.0 ** retries_done), MAX_RETRY_DELAY_S)
+        delay = min(INITIAL_RETRY_DELAY_S * (2.0**retries_done), MAX_RETRY_DELAY_S)
         return delay * (1.0 - 0.25 * random.random())  # jitter: 75-100% of the backoff
 
-    def request(self, method: str, path: str, *, params: Mapping[str, Any] | None = None, json: Any = None,
-                idempotency_key: str | None = None, timeout: float | httpx.Timeout | None = None,
-                max_retries: int | None = None, headers: Mapping[str, str] | None = None,
-                on_retry: Callable[[], None] | None = None) -> Any:
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: Mapping[str, Any] | None = None,
+        json: Any = None,
+        idempotency_key: str | None = None,
+        timeout: float | httpx.Timeout | None = None,
+        max_retries: int | None = None,
+        headers: Mapping[str, str] | None = None,
+        on_retry: Callable[[], None] | None = None,
+    ) -> Any:
         """Send one logical request (with retries) and return the decoded JSON body. ``on_retry`` is called
         before each retry (callers use it to know that an earlier attempt may have taken effect).
 
@@ -195,8 +214,14 @@ class BaseClient:
         while True:
             response: httpx.Response | None = None
             try:
-                response = self._http.request(method, url, params=clean_params or None, json=json, headers=hdrs,
-                                              timeout=self.timeout if timeout is None else timeout)
+                response = self._http.request(
+                    method,
+                    url,
+                    params=clean_params or None,
+                    json=json,
+                    headers=hdrs,
+                    timeout=self.timeout if timeout is None else timeout,
+                )
             except httpx.TimeoutException as e:
                 if attempt < retries:
                     delay = self._retry_delay_s(attempt, None)
@@ -206,19 +231,23 @@ class BaseClient:
                         on_retry()
                     self._sleep(delay)
                     continue
-                raise APITimeoutError(f"{method} {path} timed out after {retries + 1} attempt(s)", request=_req(e)) from e
+                raise APITimeoutError(
+                    f"{method} {path} timed out after {retries + 1} attempt(s)", request=_req(e)
+                ) from e
             except httpx.TransportError as e:
                 if attempt < retries:
                     delay = self._retry_delay_s(attempt, None)
-                    log.info("%s %s failed (%s); retry %d/%d in %.2fs", method, path, e, attempt + 1, retries,
-                             delay)
+                    log.info("%s %s failed (%s); retry %d/%d in %.2fs", method, path, e, attempt + 1, retries, delay)
                     attempt += 1
                     if on_retry is not None:
                         on_retry()
                     self._sleep(delay)
                     continue
-                raise APIConnectionError(request=_req(e), message=f"could not reach the meshrun service at {self.base_url}: {e}. "
-                                         "Is it running (meshrun serve)? Set MESHRUN_URL or --url.") from e
+                raise APIConnectionError(
+                    request=_req(e),
+                    message=f"could not reach the meshrun service at {self.base_url}: {e}. "
+                    "Is it running (meshrun serve)? Set MESHRUN_URL or --url.",
+                ) from e
             if response.is_success:
                 if response.status_code == 204 or not response.content:
                     return None
@@ -228,8 +257,9 @@ class BaseClient:
                     return response.text
             if attempt < retries and _should_retry_status(response):
                 delay = self._retry_delay_s(attempt, response)
-                log.info("%s %s -> %d; retry %d/%d in %.2fs", method, path, response.status_code, attempt + 1,
-                         retries, delay)
+                log.info(
+                    "%s %s -> %d; retry %d/%d in %.2fs", method, path, response.status_code, attempt + 1, retries, delay
+                )
                 response.close()
                 attempt += 1
                 if on_retry is not None:

@@ -1,20 +1,20 @@
 """Exceptions raised by the meshrun SDK: one class per HTTP status family (openai-python's shape).
 
-    MeshrunError
-    ├── APIError                      (anything that came from talking to the service)
-    │   ├── APIConnectionError        (no HTTP response: refused, reset, DNS)
-    │   │   └── APITimeoutError       (the request timed out)
-    │   └── APIStatusError            (the service answered 4xx/5xx; .status_code, .code, .param, .body)
-    │       ├── BadRequestError           400
-    │       ├── AuthenticationError       401
-    │       ├── PermissionDeniedError     403
-    │       ├── NotFoundError             404
-    │       ├── ConflictError             409
-    │       ├── ValidationError           422  (.param names the field, .message says the fix)
-    │       ├── RateLimitError            429
-    │       └── ServerError               5xx
-    ├── WaitTimeoutError              (wait(timeout=...) elapsed before the run finished)
-    └── RunFailedError                (wait(raise_on_failure=True) and the run FAILED or was CANCELLED)
+MeshrunError
+├── APIError                      (anything that came from talking to the service)
+│   ├── APIConnectionError        (no HTTP response: refused, reset, DNS)
+│   │   └── APITimeoutError       (the request timed out)
+│   └── APIStatusError            (the service answered 4xx/5xx; .status_code, .code, .param, .body)
+│       ├── BadRequestError           400
+│       ├── AuthenticationError       401
+│       ├── PermissionDeniedError     403
+│       ├── NotFoundError             404
+│       ├── ConflictError             409
+│       ├── ValidationError           422  (.param names the field, .message says the fix)
+│       ├── RateLimitError            429
+│       └── ServerError               5xx
+├── WaitTimeoutError              (wait(timeout=...) elapsed before the run finished)
+└── RunFailedError                (wait(raise_on_failure=True) and the run FAILED or was CANCELLED)
 """
 
 from __future__ import annotations
@@ -23,13 +23,28 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from api.spec import RunStatus
+
 if TYPE_CHECKING:  # pragma: no cover
     from .resources import Run
 
 __all__ = [
-    "MeshrunError", "APIError", "APIConnectionError", "APITimeoutError", "APIStatusError", "BadRequestError",
-    "AuthenticationError", "PermissionDeniedError", "NotFoundError", "ConflictError", "ValidationError",
-    "RateLimitError", "ServerError", "WaitTimeoutError", "RunFailedError", "status_error_class",
+    "MeshrunError",
+    "APIError",
+    "APIConnectionError",
+    "APITimeoutError",
+    "APIStatusError",
+    "BadRequestError",
+    "AuthenticationError",
+    "PermissionDeniedError",
+    "NotFoundError",
+    "ConflictError",
+    "ValidationError",
+    "RateLimitError",
+    "ServerError",
+    "WaitTimeoutError",
+    "RunFailedError",
+    "status_error_class",
 ]
 
 
@@ -44,8 +59,15 @@ class APIError(MeshrunError):
     code: str | None
     param: str | None
 
-    def __init__(self, message: str, *, request: httpx.Request | None = None, body: Any = None,
-                 code: str | None = None, param: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        request: httpx.Request | None = None,
+        body: Any = None,
+        code: str | None = None,
+        param: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.request = request
@@ -58,14 +80,16 @@ class APIError(MeshrunError):
 
 
 class APIConnectionError(APIError):
-    def __init__(self, message: str = "could not connect to the meshrun service", *,
-                 request: httpx.Request | None = None) -> None:
+    def __init__(
+        self, message: str = "could not connect to the meshrun service", *, request: httpx.Request | None = None
+    ) -> None:
         super().__init__(message, request=request, code="connection_error")
 
 
 class APITimeoutError(APIConnectionError):
-    def __init__(self, message: str = "the request to the meshrun service timed out", *,
-                 request: httpx.Request | None = None) -> None:
+    def __init__(
+        self, message: str = "the request to the meshrun service timed out", *, request: httpx.Request | None = None
+    ) -> None:
         super().__init__(message, request=request)
         self.code = "timeout"
 
@@ -76,14 +100,27 @@ class APIStatusError(APIError):
 
     status_code: int
     response: httpx.Response | None
+    _status: int = 0  # the status of each subclass (400, 401, ...)
 
-    def __init__(self, message: str, *, response: httpx.Response | None = None, body: Any = None,
-                 code: str | None = None, param: str | None = None, status_code: int | None = None) -> None:
-        super().__init__(message, request=response.request if response is not None else None, body=body,
-                         code=code, param=param)
+    def __init__(
+        self,
+        message: str,
+        *,
+        response: httpx.Response | None = None,
+        body: Any = None,
+        code: str | None = None,
+        param: str | None = None,
+        status_code: int | None = None,
+    ) -> None:
+        super().__init__(
+            message, request=response.request if response is not None else None, body=body, code=code, param=param
+        )
         self.response = response
-        self.status_code = status_code if status_code is not None else (
-            response.status_code if response is not None else getattr(type(self), "_status", 0))
+        self.status_code = (
+            status_code
+            if status_code is not None
+            else (response.status_code if response is not None else type(self)._status)
+        )
 
     @property
     def request_id(self) -> str | None:
@@ -130,8 +167,13 @@ class ServerError(APIStatusError):
 
 
 _BY_STATUS: dict[int, type[APIStatusError]] = {
-    400: BadRequestError, 401: AuthenticationError, 403: PermissionDeniedError, 404: NotFoundError,
-    409: ConflictError, 422: ValidationError, 429: RateLimitError,
+    400: BadRequestError,
+    401: AuthenticationError,
+    403: PermissionDeniedError,
+    404: NotFoundError,
+    409: ConflictError,
+    422: ValidationError,
+    429: RateLimitError,
 }
 
 
@@ -149,7 +191,7 @@ class WaitTimeoutError(MeshrunError, TimeoutError):
 
 
 class RunFailedError(MeshrunError):
-    def __init__(self, run: "Run") -> None:
-        status = getattr(run.status, "value", run.status)
+    def __init__(self, run: Run) -> None:
+        status = RunStatus(run.status).value
         super().__init__(f"run {run.id} {status}: {run.status_reason or 'no reason recorded'}")
         self.run = run

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from api.spec import RunStatus
+
 
 def _console(progress: Any) -> Any:
     from rich.console import Console
@@ -27,29 +29,45 @@ class RunProgress:
     """step/total bar with loss, tokens/s, MFU and ETA, fed by incremental metric rows."""
 
     def __init__(self, console: Any) -> None:
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                   TimeRemainingColumn)
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         self._progress = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(bar_width=24), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-            TextColumn("{task.fields[status]}"), TextColumn("eta"), TimeRemainingColumn(), TimeElapsedColumn(),
-            console=console, transient=False, refresh_per_second=4)
+            TextColumn("[bold]{task.description}"),
+            BarColumn(bar_width=24),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[tps]} tok/s"),
+            TextColumn("{task.fields[status]}"),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+            refresh_per_second=4,
+        )
         self._task: Any = None
         self._progress.start()
 
     @classmethod
-    def create(cls, progress: Any) -> "RunProgress | None":
+    def create(cls, progress: Any) -> RunProgress | None:
         if not progress:
             return None
         return cls(_console(progress))
 
     def update(self, run: Any, rows: list[Any]) -> None:
         total = run.spec.train.steps
-        status = getattr(run.status, "value", run.status)
+        status = RunStatus(run.status).value
         if self._task is None:
-            self._task = self._progress.add_task(f"{run.name} ({run.id})", total=total, loss="-", tps="-",
-                                                 status=status)
+            self._task = self._progress.add_task(
+                f"{run.name} ({run.id})", total=total, loss="-", tps="-", status=status
+            )
         fields: dict[str, Any] = {"status": status}
         if rows:
             last = rows[-1]
@@ -70,14 +88,22 @@ class SweepProgress:
     def __init__(self, console: Any) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                  TextColumn("trials  best {task.fields[best]}"), TextColumn("{task.fields[status]}"),
-                                  TimeElapsedColumn(), console=console, transient=False, refresh_per_second=2)
+        self._progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("trials  best {task.fields[best]}"),
+            TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+            refresh_per_second=2,
+        )
         self._task: Any = None
         self._progress.start()
 
     @classmethod
-    def create(cls, progress: Any) -> "SweepProgress | None":
+    def create(cls, progress: Any) -> SweepProgress | None:
         if not progress:
             return None
         return cls(_console(progress))
@@ -86,15 +112,17 @@ class SweepProgress:
         from ._specs import layout_str
 
         total = max(sweep.spec.budget.max_trials, len(sweep.trials))
-        finished = sum(1 for t in sweep.trials if str(t.status).upper() not in ("PENDING", "QUEUED", "RUNNING",
-                                                                                 "STARTING"))
+        finished = sum(
+            1 for t in sweep.trials if str(t.status).upper() not in ("PENDING", "QUEUED", "RUNNING", "STARTING")
+        )
         best = "-"
         if sweep.best_trial is not None:
             bt = sweep.best_trial
             best = f"{layout_str(bt.layout)} mb{bt.micro_batch_size} {_fmt_rate(bt.measured_tokens_per_s)} tok/s"
         if self._task is None:
-            self._task = self._progress.add_task(f"sweep {sweep.name} ({sweep.id})", total=total, best=best,
-                                                 status=sweep.status)
+            self._task = self._progress.add_task(
+                f"sweep {sweep.name} ({sweep.id})", total=total, best=best, status=sweep.status
+            )
         self._progress.update(self._task, completed=finished, total=total, best=best, status=sweep.status)
 
     def close(self) -> None:

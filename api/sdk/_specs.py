@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import pydantic
 
@@ -23,16 +24,18 @@ def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     if p.suffix == ".json":
         data = json.loads(text)
     else:
-        from api.yamlio import YAMLError, load_yaml  # YAML-1.2 numbers: "lr: 3e-4" is a float
+        from api.spec.yamlio import YAMLError, load_yaml  # YAML-1.2 numbers: "lr: 3e-4" is a float
 
         try:
             data = load_yaml(text)
         except YAMLError as e:
-            raise ValidationError(f"{p}: not valid YAML: {e}", code="invalid_yaml", param=None,
-                                  status_code=422) from e
+            raise ValidationError(f"{p}: not valid YAML: {e}", code="invalid_yaml", param=None, status_code=422) from e
     if not isinstance(data, dict):
-        raise ValidationError(f"{p}: expected a mapping of fields at the top level, got {type(data).__name__}",
-                              code="invalid_spec", status_code=422)
+        raise ValidationError(
+            f"{p}: expected a mapping of fields at the top level, got {type(data).__name__}",
+            code="invalid_spec",
+            status_code=422,
+        )
     return data
 
 
@@ -45,13 +48,13 @@ def to_body(obj: SpecInput) -> dict[str, Any]:
         return obj.model_dump(mode="json", exclude_unset=False)
     if isinstance(obj, (str, os.PathLike)):
         return load_file(obj)
-    if isinstance(obj, dict) or hasattr(obj, "items"):
+    if isinstance(obj, Mapping):
         return json.loads(json.dumps(dict(obj), default=str))
     raise TypeError(f"expected a pydantic model, a dict or a path to a YAML/JSON file, got {type(obj).__name__}")
 
 
 def _parse_scalar(text: str) -> Any:
-    from api.yamlio import YAMLError, load_yaml  # same loader as spec files: "1e-3" is a float
+    from api.spec.yamlio import YAMLError, load_yaml  # same loader as spec files: "1e-3" is a float
 
     try:
         return load_yaml(text)
@@ -64,28 +67,39 @@ def apply_overrides(body: dict[str, Any], overrides: Iterable[str]) -> dict[str,
     ``[1, 2]``)."""
     for item in overrides:
         if "=" not in item:
-            raise ValidationError(f"override {item!r} must look like key.sub=value (e.g. layout.tp=2)",
-                                  code="invalid_override", param=item, status_code=422)
+            raise ValidationError(
+                f"override {item!r} must look like key.sub=value (e.g. layout.tp=2)",
+                code="invalid_override",
+                param=item,
+                status_code=422,
+            )
         key, _, raw = item.partition("=")
         parts = [k for k in key.strip().split(".") if k]
         if not parts:
-            raise ValidationError(f"override {item!r} has an empty key", code="invalid_override", param=item,
-                                  status_code=422)
+            raise ValidationError(
+                f"override {item!r} has an empty key", code="invalid_override", param=item, status_code=422
+            )
         node = body
         for k in parts[:-1]:
             nxt = node.get(k)
             if nxt is None:
                 nxt = node[k] = {}
             if not isinstance(nxt, dict):
-                raise ValidationError(f"override {item!r}: '{k}' is not a mapping", code="invalid_override",
-                                      param=key, status_code=422)
+                raise ValidationError(
+                    f"override {item!r}: '{k}' is not a mapping", code="invalid_override", param=key, status_code=422
+                )
             node = nxt
         node[parts[-1]] = _parse_scalar(raw.strip())
     return body
 
 
-_LAYOUT_ALIASES = {"zero": "zero_stage", "sp": "sequence_parallel", "vpp": "pp_virtual_stages",
-                   "schedule": "pp_schedule", "shard": "shard_group_size"}
+_LAYOUT_ALIASES = {
+    "zero": "zero_stage",
+    "sp": "sequence_parallel",
+    "vpp": "pp_virtual_stages",
+    "schedule": "pp_schedule",
+    "shard": "shard_group_size",
+}
 
 
 def parse_layout(text: str) -> dict[str, Any]:
@@ -95,14 +109,19 @@ def parse_layout(text: str) -> dict[str, Any]:
         if not part:
             continue
         if "=" not in part:
-            raise ValidationError(f"layout part {part!r} must look like name=value (e.g. dp=2,tp=2)",
-                                  code="invalid_layout", param="layout", status_code=422)
+            raise ValidationError(
+                f"layout part {part!r} must look like name=value (e.g. dp=2,tp=2)",
+                code="invalid_layout",
+                param="layout",
+                status_code=422,
+            )
         k, _, v = part.partition("=")
         k = _LAYOUT_ALIASES.get(k.strip(), k.strip())
         out[k] = _parse_scalar(v.strip())
     if not out:
-        raise ValidationError("empty layout; give e.g. dp=2,tp=2", code="invalid_layout", param="layout",
-                              status_code=422)
+        raise ValidationError(
+            "empty layout; give e.g. dp=2,tp=2", code="invalid_layout", param="layout", status_code=422
+        )
     return out
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import httpx
 
@@ -27,22 +28,41 @@ class Client(BaseClient):
     sweeps: Sweeps
     cluster: ClusterResource
 
-    def __init__(self, base_url: str | None = None, token: str | None = None, *,
-                 timeout: float | httpx.Timeout = DEFAULT_TIMEOUT_S, max_retries: int = DEFAULT_MAX_RETRIES,
-                 default_headers: Mapping[str, str] | None = None, http_client: httpx.Client | None = None,
-                 transport: httpx.BaseTransport | None = None) -> None:
-        super().__init__(base_url, token, timeout=timeout, max_retries=max_retries, default_headers=default_headers,
-                         http_client=http_client, transport=transport)
+    def __init__(
+        self,
+        base_url: str | None = None,
+        token: str | None = None,
+        *,
+        timeout: float | httpx.Timeout = DEFAULT_TIMEOUT_S,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        default_headers: Mapping[str, str] | None = None,
+        http_client: httpx.Client | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        super().__init__(
+            base_url,
+            token,
+            timeout=timeout,
+            max_retries=max_retries,
+            default_headers=default_headers,
+            http_client=http_client,
+            transport=transport,
+        )
         self.runs = Runs(self)
         self.plans = Plans(self)
         self.sweeps = Sweeps(self)
         self.cluster = ClusterResource(self)
 
-    def with_options(self, *, timeout: float | httpx.Timeout | None = None, max_retries: int | None = None) -> "Client":
+    def with_options(self, *, timeout: float | httpx.Timeout | None = None, max_retries: int | None = None) -> Client:
         """A client sharing this one's connection pool with other per-request options."""
-        return Client(self.base_url, self.token, timeout=self.timeout if timeout is None else timeout,
-                      max_retries=self.max_retries if max_retries is None else max_retries,
-                      default_headers=self._default_headers, http_client=self._http)
+        return Client(
+            self.base_url,
+            self.token,
+            timeout=self.timeout if timeout is None else timeout,
+            max_retries=self.max_retries if max_retries is None else max_retries,
+            default_headers=self._default_headers,
+            http_client=self._http,
+        )
 
     def health(self) -> dict[str, Any]:
         """The service's /healthz answer (raises APIConnectionError when it is down)."""

@@ -1,18 +1,37 @@
 """Resources of the client (``client.runs``, ``client.plans``, ``client.sweeps``, ``client.cluster``) and the
-objects they return: the api.schemas response models, with a few convenience methods bound to the client."""
+objects they return: the api.spec response models, with a few convenience methods bound to the client."""
 
 from __future__ import annotations
 
+import builtins
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import PrivateAttr
+from pydantic import BaseModel, PrivateAttr
 
-from api.schemas import (
-    CheckpointPublic, ClusterPublic, EventList, EventPublic, Layout, LogsPublic, MetricList, MetricRow,
-    PlanResponse, RunList, RunPublic, RunSpec, RunStatus, SweepList, SweepPublic,
+from api.spec import (
+    CheckpointList,
+    CheckpointPublic,
+    ClusterPublic,
+    EventList,
+    EventPublic,
+    Layout,
+    LogsPublic,
+    MetricList,
+    MetricRow,
+    PlanResponse,
+    RunList,
+    RunPublic,
+    RunSpec,
+    RunStatus,
+    SweepEventList,
+    SweepEventPublic,
+    SweepList,
+    SweepPublic,
 )
+from api.spec.metrics import METRIC_ROW_FIELDS
 
 from ._base import tolerant_validate
 from ._errors import ConflictError, RunFailedError, WaitTimeoutError
@@ -30,17 +49,26 @@ _RESUMABLE_STATES = frozenset({RunStatus.FAILED.value, RunStatus.CANCELLED.value
 _RESUMED_STATES = frozenset({RunStatus.QUEUED.value, RunStatus.STARTING.value, RunStatus.RUNNING.value})
 
 
+def metric_rows_frame(rows: Iterable[MetricRow]) -> pandas.DataFrame:
+    """Metric rows as a pandas DataFrame indexed by step, one column per field of ``MetricRow`` (needs pandas)."""
+    try:
+        import pandas as pd
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("metrics_df() needs pandas: pip install pandas (or use metrics() for rows)") from e
+    return pd.DataFrame([r.model_dump() for r in rows], columns=list(METRIC_ROW_FIELDS)).set_index("step")
+
+
 # ----------------------------------------------------------------------------------------------- objects
 class Run(RunPublic):
     """A run as the API returns it (``RunPublic``) plus methods that call back into the client."""
 
     _client: Any = PrivateAttr(default=None)
 
-    def _bind(self, client: "Client") -> "Run":
+    def _bind(self, client: Client) -> Run:
         self._client = client
         return self
 
-    def _replace(self, other: "Run") -> "Run":
+    def _replace(self, other: Run) -> Run:
         for name in type(self).model_fields:
             object.__setattr__(self, name, getattr(other, name))
         return self
@@ -49,21 +77,35 @@ class Run(RunPublic):
     def done(self) -> bool:
         return RunStatus(self.status).terminal
 
-    def refresh(self) -> "Run":
+    def refresh(self) -> Run:
         """Re-read the run from the service (in place) and return it."""
         return self._replace(self._client.runs.get(self.id))
 
-    def wait(self, *, progress: bool | Any = False, timeout: float | None = None, poll_interval_s: float = 1.0,
-             raise_on_failure: bool = False) -> "Run":
+    def wait(
+        self,
+        *,
+        progress: bool | Any = False,
+        timeout: float | None = None,
+        poll_interval_s: float = 1.0,
+        raise_on_failure: bool = False,
+    ) -> Run:
         """Block until the run finishes; see ``client.runs.wait``. Updates this object and returns it."""
-        final = self._client.runs.wait(self.id, progress=progress, timeout=timeout, poll_interval_s=poll_interval_s,
-                                       raise_on_failure=raise_on_failure)
+        final = self._client.runs.wait(
+            self.id,
+            progress=progress,
+            timeout=timeout,
+            poll_interval_s=poll_interval_s,
+            raise_on_failure=raise_on_failure,
+        )
         return self._replace(final)
 
     def metrics(self, *, since_step: int = 0, attempt: int | None = None) -> list[MetricRow]:
         return self._client.runs.metrics(self.id, since_step=since_step, attempt=attempt)
 
-    def metrics_df(self, *, since_step: int = 0, attempt: int | None = None) -> "pandas.DataFrame":
+    def series(self, *, points: int = 500, field: str = "loss") -> MetricList:
+        return self._client.runs.series(self.id, points=points, field=field)
+
+    def metrics_df(self, *, since_step: int = 0, attempt: int | None = None) -> pandas.DataFrame:
         return self._client.runs.metrics_df(self.id, since_step=since_step, attempt=attempt)
 
     def events(self) -> list[EventPublic]:
@@ -75,16 +117,18 @@ class Run(RunPublic):
     def checkpoints(self) -> list[CheckpointPublic]:
         return self._client.runs.checkpoints(self.id)
 
-    def cancel(self) -> "Run":
+    def cancel(self) -> Run:
         return self._replace(self._client.runs.cancel(self.id))
 
-    def resume(self, *, layout: Layout | dict[str, Any] | str | None = None, batch: Any = None,
-               steps: int | None = None) -> "Run":
+    def resume(
+        self, *, layout: Layout | dict[str, Any] | str | None = None, batch: Any = None, steps: int | None = None
+    ) -> Run:
         return self._replace(self._client.runs.resume(self.id, layout=layout, batch=batch, steps=steps))
 
 
 class RunPage(RunList):
-    """One page of ``client.runs.list``: ``items`` (Run objects), ``total``, ``limit``, ``offset``."""
+    """One page of ``client.runs.list``: ``items`` (Run objects), ``total`` (counted up to 1,000), ``limit``,
+    and ``next_cursor`` (pass it as ``cursor`` for the next page; None on the last)."""
 
     items: list[Run]  # type: ignore[assignment]
 
@@ -94,11 +138,11 @@ class Sweep(SweepPublic):
 
     _client: Any = PrivateAttr(default=None)
 
-    def _bind(self, client: "Client") -> "Sweep":
+    def _bind(self, client: Client) -> Sweep:
         self._client = client
         return self
 
-    def _replace(self, other: "Sweep") -> "Sweep":
+    def _replace(self, other: Sweep) -> Sweep:
         for name in type(self).model_fields:
             object.__setattr__(self, name, getattr(other, name))
         return self
@@ -107,15 +151,17 @@ class Sweep(SweepPublic):
     def done(self) -> bool:
         return str(self.status).upper() in SWEEP_TERMINAL
 
-    def refresh(self) -> "Sweep":
+    def refresh(self) -> Sweep:
         return self._replace(self._client.sweeps.get(self.id))
 
-    def wait(self, *, progress: bool | Any = False, timeout: float | None = None,
-             poll_interval_s: float = 2.0) -> "Sweep":
-        return self._replace(self._client.sweeps.wait(self.id, progress=progress, timeout=timeout,
-                                                      poll_interval_s=poll_interval_s))
+    def wait(
+        self, *, progress: bool | Any = False, timeout: float | None = None, poll_interval_s: float = 2.0
+    ) -> Sweep:
+        return self._replace(
+            self._client.sweeps.wait(self.id, progress=progress, timeout=timeout, poll_interval_s=poll_interval_s)
+        )
 
-    def cancel(self) -> "Sweep":
+    def cancel(self) -> Sweep:
         return self._replace(self._client.sweeps.cancel(self.id))
 
     def best_run_spec(self) -> RunSpec:
@@ -133,31 +179,29 @@ class SweepPage(SweepList):
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _items(data: Any) -> list[Any]:
-    if isinstance(data, dict) and "items" in data:
-        return list(data["items"])
-    if isinstance(data, list):
-        return data
-    raise TypeError(f"unexpected response shape: {type(data).__name__}")
-
-
 def _status_values(status: Any) -> list[str] | None:
     if status is None:
         return None
     if isinstance(status, (str, RunStatus)):
         status = [status]
-    return [getattr(s, "value", s).upper() for s in status]
+    return [(s.value if isinstance(s, RunStatus) else str(s)).upper() for s in status]
 
 
 class _Resource:
-    def __init__(self, client: "Client") -> None:
+    def __init__(self, client: Client) -> None:
         self._client = client
 
 
 # ------------------------------------------------------------------------------------------------- runs
 class Runs(_Resource):
-    def create(self, spec: SpecInput, *, overrides: Iterable[str] = (), idempotency_key: str | None = None,
-               timeout: float | None = None) -> Run:
+    def create(
+        self,
+        spec: SpecInput,
+        *,
+        overrides: Iterable[str] = (),
+        idempotency_key: str | None = None,
+        timeout: float | None = None,
+    ) -> Run:
         """Submit a run. ``spec``: a ``RunSpec``, a dict, or a path to a YAML/JSON file; ``overrides``:
         ``["layout.tp=2", "train.steps=20"]``. The POST carries an idempotency key (generated unless given),
         so retries never create a second run; passing your own key makes re-submission safe across
@@ -169,59 +213,141 @@ class Runs(_Resource):
     def get(self, run_id: str) -> Run:
         return tolerant_validate(Run, self._client.request("GET", f"/v1/runs/{run_id}"))._bind(self._client)
 
-    def list(self, *, status: str | RunStatus | Iterable[str | RunStatus] | None = None, name: str | None = None,
-             sweep_id: str | None = None, limit: int = 50, offset: int = 0) -> RunPage:
-        params = {"status": _status_values(status), "name": name, "sweep_id": sweep_id, "limit": limit,
-                  "offset": offset}
+    def list(
+        self,
+        *,
+        status: str | RunStatus | Iterable[str | RunStatus] | None = None,
+        name: str | None = None,
+        sweep_id: str | None = None,
+        limit: int = 50,
+        offset: int = 0,
+        cursor: str | None = None,
+    ) -> RunPage:
+        """One page, newest first. Continue with ``cursor=page.next_cursor`` (or use ``iter``)."""
+        params = {
+            "status": _status_values(status),
+            "name": name,
+            "sweep_id": sweep_id,
+            "limit": limit,
+            "offset": offset or None,
+            "cursor": cursor,
+        }
         page = tolerant_validate(RunPage, self._client.request("GET", "/v1/runs", params=params))
         for r in page.items:
             r._bind(self._client)
         return page
 
-    def iter(self, *, status: Any = None, name: str | None = None, sweep_id: str | None = None,
-             page_size: int = 100) -> Iterator[Run]:
-        """Every matching run, newest first, fetching pages as needed."""
-        offset = 0
+    def iter(
+        self, *, status: Any = None, name: str | None = None, sweep_id: str | None = None, page_size: int = 100
+    ) -> Iterator[Run]:
+        """Every matching run, newest first, fetching pages (by cursor) as needed."""
+        cursor: str | None = None
         while True:
-            page = self.list(status=status, name=name, sweep_id=sweep_id, limit=page_size, offset=offset)
+            page = self.list(status=status, name=name, sweep_id=sweep_id, limit=page_size, cursor=cursor)
             yield from page.items
-            offset += len(page.items)
-            if not page.items or offset >= page.total:
+            cursor = page.next_cursor
+            if not page.items or not cursor:
                 return
 
-    def metrics(self, run_id: str, *, since_step: int = 0, attempt: int | None = None) -> list[MetricRow]:
-        """Per-step metric rows (step > since_step), each step once (the latest attempt's)."""
-        params = {"since_step": since_step or None, "attempt": attempt}
-        data = self._client.request("GET", f"/v1/runs/{run_id}/metrics", params=params)
-        if isinstance(data, list):
-            return [tolerant_validate(MetricRow, r) for r in data]
-        return tolerant_validate(MetricList, data).items
+    def iter_metrics(
+        self, run_id: str, *, since_step: int = 0, attempt: int | None = None, page_size: int = 5000
+    ) -> Iterator[MetricRow]:
+        """Per-step metric rows (step > since_step) in step order, each step once, fetched page by page."""
+        cursor: str | None = None
+        while True:
+            params = {"since_step": since_step or None, "attempt": attempt, "limit": page_size, "cursor": cursor}
+            data = self._client.request("GET", f"/v1/runs/{run_id}/metrics", params=params)
+            if isinstance(data, list):  # a service from before pages
+                yield from (tolerant_validate(MetricRow, r) for r in data)
+                return
+            page = tolerant_validate(MetricList, data)
+            yield from page.items
+            cursor = page.next_cursor
+            if not page.items or not cursor:
+                return
 
-    def metrics_df(self, run_id: str, *, since_step: int = 0, attempt: int | None = None) -> "pandas.DataFrame":
+    def metrics(self, run_id: str, *, since_step: int = 0, attempt: int | None = None) -> builtins.list[MetricRow]:
+        """Per-step metric rows (step > since_step), each step once (the latest attempt's), all pages."""
+        return list(self.iter_metrics(run_id, since_step=since_step, attempt=attempt))
+
+    def series(self, run_id: str, *, points: int = 500, field: str = "loss") -> MetricList:
+        """A downsampled series for charts: at most ``points`` rows over the whole run, keeping the smallest and
+        largest ``field`` of each bucket (``series_rows``: rows in the full series)."""
+        data = self._client.request("GET", f"/v1/runs/{run_id}/metrics", params={"points": points, "field": field})
+        return tolerant_validate(MetricList, data)
+
+    def metrics_df(self, run_id: str, *, since_step: int = 0, attempt: int | None = None) -> pandas.DataFrame:
         """The metrics as a pandas DataFrame indexed by step (needs pandas: pip install pandas)."""
         try:
             import pandas as pd
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise ImportError("metrics_df() needs pandas: pip install pandas (or use metrics() for rows)") from e
-        rows = [r.model_dump() for r in self.metrics(run_id, since_step=since_step, attempt=attempt)]
         columns = list(MetricRow.model_fields)
-        return pd.DataFrame(rows, columns=columns).set_index("step")
+        frames = []
+        rows: list[dict[str, Any]] = []
+        for r in self.iter_metrics(run_id, since_step=since_step, attempt=attempt):
+            rows.append(r.model_dump())
+            if len(rows) >= 5000:  # one frame per page-sized chunk: no list of every row's dict at once
+                frames.append(pd.DataFrame(rows, columns=columns))
+                rows = []
+        if rows or not frames:
+            frames.append(pd.DataFrame(rows, columns=columns))
+        df = frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
+        return df.set_index("step")
 
-    def events(self, run_id: str) -> list[EventPublic]:
-        data = self._client.request("GET", f"/v1/runs/{run_id}/events")
-        if isinstance(data, list):
-            return [tolerant_validate(EventPublic, e) for e in data]
-        return tolerant_validate(EventList, data).items
+    def events(self, run_id: str, *, kind: str | Iterable[str] | None = None) -> builtins.list[EventPublic]:
+        """Every event of the run (oldest first), all pages; ``kind`` keeps only those kinds."""
+        kinds = [kind] if isinstance(kind, str) else (list(kind) if kind is not None else None)
+        out: list[EventPublic] = []
+        cursor: str | None = None
+        while True:
+            params = {"kind": kinds, "limit": 1000, "cursor": cursor}
+            data = self._client.request("GET", f"/v1/runs/{run_id}/events", params=params)
+            if isinstance(data, list):
+                return [tolerant_validate(EventPublic, e) for e in data]
+            page = tolerant_validate(EventList, data)
+            out.extend(page.items)
+            cursor = page.next_cursor
+            if not page.items or not cursor:
+                return out
+
+    def logs_page(
+        self, run_id: str, *, cursor: str | None = None, tail: bool = False, limit: int | None = None
+    ) -> LogsPublic:
+        """One page of the run's output: from ``cursor`` (a page's ``next_cursor``: also how to follow new
+        output), else from the start, or its last ``limit`` characters with ``tail``."""
+        params = {"cursor": cursor, "tail": tail or None, "limit": limit}
+        data = self._client.request("GET", f"/v1/runs/{run_id}/logs", params=params)
+        if isinstance(data, str):
+            return LogsPublic(run_id=run_id, logs=data, total_chars=len(data))
+        return tolerant_validate(LogsPublic, data)
 
     def logs(self, run_id: str) -> str:
-        data = self._client.request("GET", f"/v1/runs/{run_id}/logs")
-        if isinstance(data, str):
-            return data
-        return tolerant_validate(LogsPublic, data).logs
+        """The run's whole output so far (every page)."""
+        parts: list[str] = []
+        cursor: str | None = None
+        while True:
+            page = self.logs_page(run_id, cursor=cursor)
+            parts.append(page.logs)
+            cursor = page.next_cursor
+            if not page.has_more or not cursor or not page.logs:
+                return "".join(parts)
 
-    def checkpoints(self, run_id: str) -> list[CheckpointPublic]:
-        data = self._client.request("GET", f"/v1/runs/{run_id}/checkpoints")
-        return [tolerant_validate(CheckpointPublic, c) for c in _items(data)]
+    def checkpoints(self, run_id: str) -> builtins.list[CheckpointPublic]:
+        """Every checkpoint of the run by step, all pages."""
+        out: list[CheckpointPublic] = []
+        cursor: str | None = None
+        while True:
+            data = self._client.request(
+                "GET", f"/v1/runs/{run_id}/checkpoints", params={"limit": 500, "cursor": cursor}
+            )
+            if isinstance(data, list):
+                return [tolerant_validate(CheckpointPublic, c) for c in data]
+            page = tolerant_validate(CheckpointList, data)
+            out.extend(page.items)
+            cursor = page.next_cursor
+            if not page.items or not cursor:
+                return out
 
     def cancel(self, run_id: str) -> Run:
         """Cancel a run. Safe to retry: when a retried cancel gets 409 because its first attempt (whose answer
@@ -238,8 +364,15 @@ class Runs(_Resource):
             raise
         return tolerant_validate(Run, data)._bind(self._client)
 
-    def resume(self, run_id: str, *, layout: Layout | dict[str, Any] | str | None = None, batch: Any = None,
-               steps: int | None = None, idempotency_key: str | None = None) -> Run:
+    def resume(
+        self,
+        run_id: str,
+        *,
+        layout: Layout | dict[str, Any] | str | None = None,
+        batch: Any = None,
+        steps: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> Run:
         """Resume a stopped run from its latest checkpoint, optionally on a new ``layout`` (``"dp=2,tp=1"``,
         a dict or a Layout; the checkpoint is resharded), ``batch`` or total ``steps``."""
         body: dict[str, Any] = {}
@@ -254,22 +387,37 @@ class Runs(_Resource):
         before = self.get(run_id) if self._client.max_retries > 0 else None
         retried: list[int] = []
         try:
-            data = self._client.request("POST", f"/v1/runs/{run_id}/resume", json=body,
-                                        idempotency_key=idempotency_key, on_retry=lambda: retried.append(1))
+            data = self._client.request(
+                "POST",
+                f"/v1/runs/{run_id}/resume",
+                json=body,
+                idempotency_key=idempotency_key,
+                on_retry=lambda: retried.append(1),
+            )
         except ConflictError:
             if retried and before is not None:
                 run = self.get(run_id)
                 if RunStatus(run.status).value in _RESUMED_STATES and (
-                        RunStatus(before.status).value in _RESUMABLE_STATES
-                                                      or (run.attempts or 0) > (before.attempts or 0)):
-                    log.info("resume of %s was retried and the run is %s again: an earlier attempt did it",
-                             run_id, RunStatus(run.status).value)
+                    RunStatus(before.status).value in _RESUMABLE_STATES or (run.attempts or 0) > (before.attempts or 0)
+                ):
+                    log.info(
+                        "resume of %s was retried and the run is %s again: an earlier attempt did it",
+                        run_id,
+                        RunStatus(run.status).value,
+                    )
                     return run
             raise
         return tolerant_validate(Run, data)._bind(self._client)
 
-    def wait(self, run_id: str, *, progress: bool | Any = False, timeout: float | None = None,
-             poll_interval_s: float = 1.0, raise_on_failure: bool = False) -> Run:
+    def wait(
+        self,
+        run_id: str,
+        *,
+        progress: bool | Any = False,
+        timeout: float | None = None,
+        poll_interval_s: float = 1.0,
+        raise_on_failure: bool = False,
+    ) -> Run:
         """Poll until the run is SUCCEEDED, FAILED or CANCELLED and return it.
 
         ``progress=True`` (or a rich Console) shows a live bar: step/total, loss, tokens/s, ETA (metrics are
@@ -291,10 +439,12 @@ class Runs(_Resource):
                 if RunStatus(run.status).terminal:
                     break
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise WaitTimeoutError(f"run {run_id} still {run.status.value} after {timeout}s", run_id=run_id,
-                                           last=run)
-                wait_s = poll_interval_s if deadline is None else max(0.0, min(poll_interval_s,
-                                                                              deadline - time.monotonic()))
+                    raise WaitTimeoutError(
+                        f"run {run_id} still {run.status.value} after {timeout}s", run_id=run_id, last=run
+                    )
+                wait_s = (
+                    poll_interval_s if deadline is None else max(0.0, min(poll_interval_s, deadline - time.monotonic()))
+                )
                 time.sleep(wait_s)
         finally:
             if view is not None:
@@ -306,11 +456,20 @@ class Runs(_Resource):
 
 # ------------------------------------------------------------------------------------------------ plans
 class Plans(_Resource):
-    def create(self, request: SpecInput | None = None, *, model: Any = None, cluster: Any = None,
-               global_batch_size: int | None = None, seq_len: int | None = None,
-               precision: Literal["fp32", "bf16", "fp16"] | None = None, top_k: int | None = None,
-               layout: Layout | dict[str, Any] | str | None = None, micro_batch_size: int | None = None,
-               activation_checkpointing: str | None = None) -> PlanResponse:
+    def create(
+        self,
+        request: SpecInput | None = None,
+        *,
+        model: Any = None,
+        cluster: Any = None,
+        global_batch_size: int | None = None,
+        seq_len: int | None = None,
+        precision: Literal["fp32", "bf16", "fp16"] | None = None,
+        top_k: int | None = None,
+        layout: Layout | dict[str, Any] | str | None = None,
+        micro_batch_size: int | None = None,
+        activation_checkpointing: str | None = None,
+    ) -> PlanResponse:
         """Ask the planner for the best layouts (or to score one ``layout``). Give a ``PlanRequest`` (model,
         dict, file) or the fields as keywords, e.g. ``model={"name": "gpt", "preset": "7b"},
         cluster={"device": "H100", "gpus_per_node": 8, "nodes": 4}, global_batch_size=512``; keywords
@@ -318,12 +477,19 @@ class Plans(_Resource):
         body: dict[str, Any] = to_body(request) if request is not None else {}
         if isinstance(layout, str):
             layout = parse_layout(layout)
-        for key, value in (("model", model), ("cluster", cluster), ("global_batch_size", global_batch_size),
-                           ("seq_len", seq_len), ("precision", precision), ("top_k", top_k), ("layout", layout),
-                           ("micro_batch_size", micro_batch_size),
-                           ("activation_checkpointing", activation_checkpointing)):
+        for key, value in (
+            ("model", model),
+            ("cluster", cluster),
+            ("global_batch_size", global_batch_size),
+            ("seq_len", seq_len),
+            ("precision", precision),
+            ("top_k", top_k),
+            ("layout", layout),
+            ("micro_batch_size", micro_batch_size),
+            ("activation_checkpointing", activation_checkpointing),
+        ):
             if value is not None:
-                body[key] = to_body(value) if hasattr(value, "model_dump") else value
+                body[key] = to_body(value) if isinstance(value, BaseModel) else value
         data = self._client.request("POST", "/v1/plans", json=body)
         return tolerant_validate(PlanResponse, data)
 
@@ -339,19 +505,38 @@ class Sweeps(_Resource):
     def get(self, sweep_id: str) -> Sweep:
         return tolerant_validate(Sweep, self._client.request("GET", f"/v1/sweeps/{sweep_id}"))._bind(self._client)
 
-    def list(self, *, status: str | None = None, limit: int = 50, offset: int = 0) -> SweepPage:
-        params = {"status": status, "limit": limit, "offset": offset}
+    def list(
+        self, *, status: str | None = None, limit: int = 50, offset: int = 0, cursor: str | None = None
+    ) -> SweepPage:
+        """One page, newest first; continue with ``cursor=page.next_cursor`` (or use ``iter``)."""
+        params = {"status": status, "limit": limit, "offset": offset or None, "cursor": cursor}
         page = tolerant_validate(SweepPage, self._client.request("GET", "/v1/sweeps", params=params))
         for s in page.items:
             s._bind(self._client)
         return page
 
+    def iter(self, *, status: str | None = None, page_size: int = 50) -> Iterator[Sweep]:
+        """Every matching sweep, newest first, fetching pages as needed."""
+        cursor: str | None = None
+        while True:
+            page = self.list(status=status, limit=page_size, cursor=cursor)
+            yield from page.items
+            cursor = page.next_cursor
+            if not page.items or not cursor:
+                return
+
     def cancel(self, sweep_id: str) -> Sweep:
         data = self._client.request("POST", f"/v1/sweeps/{sweep_id}/cancel")
         return tolerant_validate(Sweep, data)._bind(self._client)
 
-    def wait(self, sweep_id: str, *, progress: bool | Any = False, timeout: float | None = None,
-             poll_interval_s: float = 2.0) -> Sweep:
+    def events(self, sweep_id: str) -> builtins.list[SweepEventPublic]:
+        """The sweep's and its trials' state changes (``trial_id`` None for the sweep's own), oldest first."""
+        data = self._client.request("GET", f"/v1/sweeps/{sweep_id}/events")
+        return tolerant_validate(SweepEventList, data).items
+
+    def wait(
+        self, sweep_id: str, *, progress: bool | Any = False, timeout: float | None = None, poll_interval_s: float = 2.0
+    ) -> Sweep:
         """Poll until the sweep finishes; ``progress=True`` shows trials done / max trials and the best so far."""
         from ._progress import SweepProgress
 
@@ -365,10 +550,12 @@ class Sweeps(_Resource):
                 if sweep.done:
                     return sweep
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise WaitTimeoutError(f"sweep {sweep_id} still {sweep.status} after {timeout}s",
-                                           run_id=sweep_id, last=sweep)
-                time.sleep(poll_interval_s if deadline is None
-                           else max(0.0, min(poll_interval_s, deadline - time.monotonic())))
+                    raise WaitTimeoutError(
+                        f"sweep {sweep_id} still {sweep.status} after {timeout}s", run_id=sweep_id, last=sweep
+                    )
+                time.sleep(
+                    poll_interval_s if deadline is None else max(0.0, min(poll_interval_s, deadline - time.monotonic()))
+                )
         finally:
             if view is not None:
                 view.close()

@@ -1,7 +1,7 @@
 """Initial schema: runs, attempts, metrics, events, checkpoints, sweeps, trials, calibrations, api tokens.
 
-Generated with autogenerate from service.models.Base.metadata, then reviewed: timezone-aware timestamps, JSON
-columns, named constraints (service.models.NAMING), foreign keys with ON DELETE, batch mode for SQLite.
+Generated with autogenerate from service.store.models.Base.metadata, then reviewed: timezone-aware timestamps, JSON
+columns, named constraints (service.store.models.NAMING), foreign keys with ON DELETE, batch mode for SQLite.
 
 Revision ID: 0001
 Revises: (none)

@@ -1,4 +1,4 @@
-"""Published formulas the planner stands on (see ../shared/notes/planner-formulas.md). Pure arithmetic.
+"""Published formulas the planner stands on (Narayanan et al. SC21, Korthikanti et al. 2022, ZeRO). Pure arithmetic.
 
 Symbols: s sequence length, b micro-batch size, h hidden size, a attention heads, L layers, V vocabulary,
 t tensor-parallel degree, p pipeline stages, m micro-batches per step, v virtual stages per rank.
@@ -16,8 +16,9 @@ def megatron_param_count(*, n_layers: int, d_model: int, vocab_size: int, seq_le
     return 12 * L * h * h * (1 + 13 / (12 * h) + (V + s) / (12 * L * h))
 
 
-def megatron_model_flops(*, global_batch_size: int, n_layers: int, d_model: int, vocab_size: int,
-                         seq_len: int, full_recompute: bool = False) -> float:
+def megatron_model_flops(
+    *, global_batch_size: int, n_layers: int, d_model: int, vocab_size: int, seq_len: int, full_recompute: bool = False
+) -> float:
     """Model FLOPs per step, GEMMs only (Korthikanti eq. 7 / Narayanan eq. 3 with full recomputation):
     ``72 B L s h^2 (1 + s/(6h) + V/(12 h L))``; with full recompute ``96 B s L h^2 (1 + s/(6h) + V/(16 L h))``.
     """
@@ -34,8 +35,13 @@ def state_bytes_per_param(precision: str) -> tuple[int, int, int]:
     return (4, 4, 8) if precision == "fp32" else (2, 2, 12)
 
 
-def model_state_bytes(n_params: float, *, zero_stage: int, shard_degree: int, precision: str = "bf16",
-                      ) -> tuple[float, float, float]:
+def model_state_bytes(
+    n_params: float,
+    *,
+    zero_stage: int,
+    shard_degree: int,
+    precision: str = "bf16",
+) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes per rank for ``n_params`` parameters held by the rank's model
     replica (after tensor/pipeline division), ZeRO-sharded over ``shard_degree`` data-parallel ranks.
 
@@ -55,9 +61,18 @@ def model_state_bytes(n_params: float, *, zero_stage: int, shard_degree: int, pr
 
 
 # ----------------------------------------------------------------------------------------- activations
-def activation_bytes_per_layer(*, seq_len: int, micro_batch_size: int, d_model: int, n_heads: int, tp: int = 1,
-                               sequence_parallel: bool = False, recompute: Recompute = "none",
-                               flash_attention: bool = False, act_bytes: int = 2) -> float:
+def activation_bytes_per_layer(
+    *,
+    seq_len: int,
+    micro_batch_size: int,
+    d_model: int,
+    n_heads: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: Recompute = "none",
+    flash_attention: bool = False,
+    act_bytes: int = 2,
+) -> float:
     """Activation bytes one transformer layer keeps for backward (Korthikanti et al. 2022, table 2).
 
     16-bit: no parallelism ``sbh(34 + 5as/h)``; TP ``sbh(10 + 24/t + 5as/(ht))``; TP+SP
@@ -79,8 +94,9 @@ def activation_bytes_per_layer(*, seq_len: int, micro_batch_size: int, d_model: 
     return scale * sbh * (per + softmax)
 
 
-def mlp_block_activation_bytes(*, seq_len: int, micro_batch_size: int, d_model: int, d_ff: int,
-                               recompute: Recompute = "none", act_bytes: int = 2) -> float:
+def mlp_block_activation_bytes(
+    *, seq_len: int, micro_batch_size: int, d_model: int, d_ff: int, recompute: Recompute = "none", act_bytes: int = 2
+) -> float:
     """Activation bytes of one residual MLP block (the ``mlp`` family): LayerNorm input and output (2 sbh),
     up-projection output and GELU output (2 sbf) and the down-projection input (counted in those), in
     ``act_bytes`` each; full recompute keeps the block input only."""
@@ -148,4 +164,3 @@ def group_within_node(*, stride: int, size: int, gpus_per_node: int) -> bool:
         return True
     span = stride * size
     return span <= gpus_per_node and gpus_per_node % span == 0
-

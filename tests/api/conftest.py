@@ -15,9 +15,9 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import inspect, text
 
-from api.server import create_app
-from service.db import make_engine
-from service.models import Base
+from service.app.server import create_app
+from service.store.db import make_engine
+from service.store.models import Base
 from service.settings import Settings
 from tests.service.pg import postgres_database
 

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from sqlalchemy import func, select
 
-from service.models import Run, RunEvent
+from service.store.models import Run, RunEvent
 
 SPEC = {"name": "conc", "layout": {"dp": 2}, "batch": {"global_batch_size": 8, "micro_batch_size": 2}}
 THREADS = 8

@@ -18,7 +18,7 @@ import schemathesis
 import uvicorn
 from hypothesis import HealthCheck, settings
 
-from api.server import create_app
+from service.app.server import create_app
 from service.settings import Settings
 
 FUZZ_MAX_EXAMPLES = int(os.environ.get("MESHRUN_FUZZ_EXAMPLES", "25"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from api.schemas import ClusterSpec, RunSpec
+from api.spec import ClusterSpec, RunSpec
 from service import store
 
 SPEC = {
@@ -153,7 +153,7 @@ INVALID = [
     ("unknown model", _with(model__name="resnet"), "model.name", "unknown model"),
     ("absurd d_model", _with(model__d_model=10**9), "model.d_model", "less than or equal"),
     ("absurd steps", _with(train__steps=10**12), "train.steps", "less than or equal"),
-    ("absurd world size", _with(layout__dp=64, layout__tp=4, layout__pp=32, batch__global_batch_size=10**6,
+    ("absurd world size", _with(layout__dp=4096, layout__tp=8, layout__pp=8, batch__global_batch_size=2**20,
                                 batch__micro_batch_size=1), "layout", "world size"),
     ("unknown field", _with(layout__tensor_parallel=2), "layout.tensor_parallel", "unknown field"),
     ("unknown top-level field", _with(epochs=3), "epochs", "unknown field"),
@@ -248,7 +248,7 @@ def test_checkpoints_listed(client):
     run = _submit(client)
     with client.app.state.session_factory.begin() as s:
         store.add_checkpoint(s, run_id=run["id"], attempt=1, step=10, path="/ck/10", size_bytes=123)
-    cks = client.get(f"/v1/runs/{run['id']}/checkpoints").json()
+    cks = client.get(f"/v1/runs/{run['id']}/checkpoints").json()["items"]
     assert [(c["step"], c["path"], c["size_bytes"]) for c in cks] == [(10, "/ck/10", 123)]
 
 
@@ -335,10 +335,10 @@ def test_healthz(client):
 
 def test_startup_log_says_where_the_db_is_and_whether_auth_is_on(make_client, caplog, db_url):
     import logging
-    with caplog.at_level(logging.INFO, logger="api.server"):
+    with caplog.at_level(logging.INFO, logger="service.app.server"):
         make_client()
         make_client(auth="on")
-    lines = [r.getMessage() for r in caplog.records if r.name == "api.server"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "service.app.server"]
     assert any("auth OFF: embedded single-user default on loopback" in m for m in lines), lines
     assert any("auth ON" in m for m in lines), lines
     assert all(db_url.split("://")[0] in m for m in lines)

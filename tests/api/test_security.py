@@ -8,8 +8,8 @@ import json
 import pytest
 from sqlalchemy import select, text
 
-from service import auth
-from service.models import ApiToken
+from service.security import tokens as auth
+from service.store.models import ApiToken
 
 SPEC = {"name": "sec", "layout": {"dp": 2}, "batch": {"global_batch_size": 8, "micro_batch_size": 2}}
 
@@ -268,7 +268,7 @@ def test_failed_authentication_is_rate_limited_per_address(make_client):
 
 
 def test_rate_limiter_refills():
-    from service.ratelimit import RateLimiter
+    from service.app.ratelimit import RateLimiter
     now = [0.0]
     rl = RateLimiter(60, clock=lambda: now[0])
     assert all(rl.hit("k") is None for _ in range(60))
@@ -281,7 +281,7 @@ def test_rate_limiter_refills():
 
 
 def test_rate_limiter_memory_is_bounded_by_lru_eviction():
-    from service.ratelimit import MAX_BUCKETS, RateLimiter
+    from service.app.ratelimit import MAX_BUCKETS, RateLimiter
     now = [0.0]
     rl = RateLimiter(2, clock=lambda: now[0], max_buckets=3)
     for i in range(1000):  # a client cycling keys, every request allowed
@@ -350,7 +350,7 @@ def test_loopback_decides_default_auth(tmp_path, host, loopback):
 
 
 def test_database_url_is_redacted_in_logs():
-    from service.db import redact_url
+    from service.store.db import redact_url
 
     assert redact_url("postgresql+psycopg://meshrun:hunter2@db/meshrun") == "postgresql+psycopg://meshrun:***@db/meshrun"
     assert "hunter2" not in redact_url("postgres://meshrun:hunter2@db/x")

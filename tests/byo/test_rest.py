@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from api.server import create_app
+from service.app.server import create_app
 from service.settings import Settings
 
 MODEL = {"name": "custom", "preset": None, "entrypoint": "byo_user_pkg.models:build", "seq_len": 16}
@@ -62,7 +62,7 @@ def test_a_declared_plan_is_accepted_and_stored(client, user_code_dir) -> None:
 
 
 def test_code_dir_needs_a_code_token_and_an_allowed_root(tmp_path, user_code_dir) -> None:
-    from service import auth
+    from service.security import tokens as auth
 
     app = create_app(Settings(start_scheduler=False, data_dir=tmp_path, database_url=f"sqlite:///{tmp_path}/m.db",
                               rate_limit_per_minute=0, auth="on"))

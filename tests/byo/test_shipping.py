@@ -8,47 +8,34 @@ import sys
 
 import pytest
 
-from service.inspect import add_user_code, code_runtime_env
+from service.cluster.env import code_runtime_env, job_runtime_env
+from service.security.policy import resolve_code_dir
 from tests.byo.conftest import PKG, ROOT
 
 
-@pytest.fixture
-def factory(tmp_path):
-    from service.db import make_engine, make_sessionmaker
-    from service.models import Base
-
-    engine = make_engine(f"sqlite:///{tmp_path / 'm.db'}")
-    Base.metadata.create_all(engine)
-    yield make_sessionmaker(engine)
-    engine.dispose()
+def _code_env(spec: dict, settings) -> dict:
+    """The runtime env the scheduler gives a run with this spec (its code directory resolved as it does)."""
+    code = (spec.get("code") or {}).get("working_dir")
+    return job_runtime_env(settings, job_id="meshrun-run-x-1", gcs_address="127.0.0.1:6389",
+                           code_dir=resolve_code_dir(code, settings) if code else None)
 
 
-def _run_with(factory, spec: dict) -> str:
-    from service import store
-    from service.db import session_scope
-
-    with session_scope(factory) as s:
-        run, _ = store.create_run(s, spec=spec, plan={}, name="byo")
-        return run.id
-
-
-def test_the_code_dir_becomes_the_jobs_working_dir(factory, tmp_path, user_code_dir) -> None:
+def test_the_code_dir_becomes_the_jobs_working_dir(tmp_path, user_code_dir, monkeypatch) -> None:
     from service.settings import Settings
 
+    monkeypatch.delenv("MESHRUN_RAY_WORKING_DIR", raising=False)
     settings = Settings(data_dir=tmp_path)
-    rid = _run_with(factory, {"name": "byo", "code": {"working_dir": str(user_code_dir)}})
-    renv = add_user_code({"env_vars": {"A": "1"}}, run_id=rid, session_factory=factory, settings=settings)
+    renv = _code_env({"name": "byo", "code": {"working_dir": str(user_code_dir)}}, settings)
     assert renv["working_dir"] == str(user_code_dir.resolve()) and "**/__pycache__" in renv["excludes"]
     # relative paths are under the service's data_dir
     (tmp_path / "code" / PKG).mkdir(parents=True)
     (tmp_path / "code" / PKG / "__init__.py").write_text("")
-    rid = _run_with(factory, {"name": "byo", "code": {"working_dir": "code"}})
-    assert add_user_code({}, run_id=rid, session_factory=factory, settings=settings)["working_dir"] == \
+    assert _code_env({"name": "byo", "code": {"working_dir": "code"}}, settings)["working_dir"] == \
         str((tmp_path / "code").resolve())
-    # no code, or not a run (a sweep's id): unchanged
-    rid = _run_with(factory, {"name": "plain"})
-    assert add_user_code({}, run_id=rid, session_factory=factory, settings=settings) == {}
-    assert add_user_code({}, run_id="sweep-123", session_factory=factory, settings=settings) == {}
+    # no code: no working dir; a code dir that is gone: the job starts without it
+    assert "working_dir" not in _code_env({"name": "plain"}, settings)
+    assert "working_dir" not in _code_env({"name": "gone", "code": {"working_dir": str(tmp_path / "nowhere")}},
+                                          settings)
 
 
 def test_with_meshrun_as_working_dir_user_packages_ship_as_py_modules(user_code_dir) -> None:

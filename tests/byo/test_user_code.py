@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from api.schemas import DataSpec, ModelConfig, RunSpec
+from api.spec import DataSpec, ModelConfig, RunSpec
 from tests.byo.conftest import PKG, ROOT
 from workers.data import StepBatches, make_source
 from workers.models import build_model, materialize
@@ -139,8 +139,8 @@ def test_inspect_cli_runs_user_code_in_a_subprocess(user_code_dir) -> None:
 
 
 def test_service_inspection_updates_the_plan(user_code_dir) -> None:
-    from api.validation import build_plan
-    from service.inspect import apply_inspection, inspect_with_subprocess
+    from api.spec.validation import build_plan
+    from service.runs.inspect import apply_inspection, inspect_with_subprocess
 
     spec = RunSpec.model_validate({"model": MODEL, "code": {"working_dir": str(user_code_dir)}})
     plan = build_plan(spec)
@@ -155,7 +155,7 @@ def test_service_inspection_updates_the_plan(user_code_dir) -> None:
 def test_example_specs_plan_and_inspect_cleanly(path) -> None:
     import yaml
 
-    from api.validation import build_plan
+    from api.spec.validation import build_plan
 
     spec = RunSpec.model_validate(yaml.safe_load(path.read_text()))
     assert build_plan(spec).world_size == 2

@@ -4,11 +4,14 @@ Runs progress through FakeWorker (no Ray); the Ray-backed versions are in test_c
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
+import httpx
 from typer.testing import CliRunner
 
 from api.cli import app
@@ -37,6 +40,8 @@ def test_submit_prints_id_and_json_parses(api_server):
     r = cli(api_server.url, "submit", str(EXAMPLES / "dp.yaml"), "--set", f"name={name}", "--set", "train.steps=7")
     assert r.exit_code == 0, r.output
     assert "submitted" in r.stdout and "dp2" in r.stdout and name in r.stdout
+    run_id = r.stdout.split("submitted ", 1)[1].split()[0]
+    assert f"console: {api_server.url}/runs/{run_id}" in r.stdout  # one click to the run's page
     r = cli(api_server.url, "submit", str(EXAMPLES / "tp-sp.yaml"), "--name", name + "-j", "--json")
     assert r.exit_code == 0, r.output
     run = json.loads(r.stdout)  # nothing but JSON on stdout
@@ -112,6 +117,7 @@ def test_read_commands_json_parse(api_server):
     assert r.exit_code == 0 and "loss" in r.stdout
     r = cli(api_server.url, "show", run_id)
     assert r.exit_code == 0 and "final loss" in r.stdout and "attempts" in r.stdout
+    assert f"{api_server.url}/runs/{run_id}" in r.stdout
 
 
 # ---------------------------------------------------------------------------------------- exit codes
@@ -197,8 +203,8 @@ def test_validate_examples_locally():
 
 
 def test_db_upgrade_and_token_create(tmp_path):
-    from service.auth import verify_token
-    from service.db import make_engine, make_sessionmaker, session_scope
+    from service.security.tokens import verify_token
+    from service.store.db import make_engine, make_sessionmaker, session_scope
 
     url = f"sqlite:///{tmp_path / 'm.db'}"
     r = runner.invoke(app, ["db", "upgrade", "--database-url", url])
@@ -244,3 +250,26 @@ def test_subprocess_failed_run_exit_code(api_server):
     p = _meshrun("--url", api_server.url, "submit", "examples/dp.yaml", "--name", name, "--wait")
     assert p.returncode == 1, (p.stdout, p.stderr)
     assert "FAILED" in p.stdout
+
+
+def test_serve_prints_the_console_url_and_serves_it(tmp_path):
+    port = free_port()
+    env = {**os.environ, "MESHRUN_LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "serve", "--no-scheduler", "--port", str(port),
+                             "--data-dir", str(tmp_path)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+        assert f"meshrun console: http://127.0.0.1:{port}/" in line, line
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                page = httpx.get(f"http://127.0.0.1:{port}/", timeout=5)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline and proc.poll() is None, "the service did not come up"
+                time.sleep(0.2)
+        assert page.status_code == 200 and "<title>Runs · meshrun</title>" in page.text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

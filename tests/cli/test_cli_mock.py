@@ -10,9 +10,10 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-import api.cli as cli_mod
+import api.cli  # noqa: F401  (registers the commands)
+from api.cli import _common as cli_mod
 from api import client as sdk
-from api.schemas import RunSpec
+from api.spec import RunSpec
 
 NOW = datetime(2026, 1, 1, tzinfo=timezone.utc).isoformat()
 runner = CliRunner(env={"COLUMNS": "200"})
@@ -30,7 +31,7 @@ def use_handler(monkeypatch):
     def install(handler):
         monkeypatch.setattr(cli_mod.State, "client",
                             lambda self: sdk.Client("http://fake", transport=httpx.MockTransport(handler)))
-        monkeypatch.setattr(cli_mod.time, "sleep", lambda s: None)
+        monkeypatch.setattr("time.sleep", lambda s: None)
 
     return install
 
@@ -40,10 +41,14 @@ def test_logs_follow_prints_each_line_once_until_the_run_ends(use_handler):
     state = {"logs": 0, "gets": 0}
 
     def handler(req):
-        if req.url.path.endswith("/logs"):
+        if req.url.path.endswith("/logs"):  # pages like the service: from the cursor's offset, next_cursor at the end
             text = chunks[min(state["logs"], len(chunks) - 1)]
             state["logs"] += 1
-            return httpx.Response(200, json={"run_id": "run-1", "logs": text})
+            cursor = req.url.params.get("cursor")
+            start = int(cursor[1:]) if cursor else 0
+            return httpx.Response(200, json={"run_id": "run-1", "logs": text[start:], "offset": start,
+                                             "total_chars": len(text), "has_more": False,
+                                             "next_cursor": f"c{len(text)}"})
         state["gets"] += 1
         return httpx.Response(200, json=run_body("RUNNING" if state["gets"] < 3 else "SUCCEEDED"))
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from api.schemas import PlanRequest, RunSpec, SweepCreate
-from api.validation import build_plan
+from api.spec import PlanRequest, RunSpec, SweepCreate
+from api.spec.validation import build_plan
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 RUN_SPECS = sorted(p for p in EXAMPLES.glob("*.yaml") if p.name not in ("sweep.yaml", "plan-7b.yaml"))
@@ -40,7 +40,7 @@ def test_gpt_3d_demo_is_dp2_tp2_pp2():
 
 
 def test_cli_embedded_demo_spec_matches_the_example_file():
-    from api.cli import DEMO_SPEC
+    from api.cli._common import DEMO_SPEC
 
     assert yaml.safe_load((EXAMPLES / "demo.yaml").read_text()) == DEMO_SPEC
 

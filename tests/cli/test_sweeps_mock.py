@@ -11,9 +11,10 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-import api.cli as cli_mod
+import api.cli  # noqa: F401  (registers the commands)
+from api.cli import _common as cli_mod
 from api import client as sdk
-from api.schemas import RunSpec, SweepCreate
+from api.spec import RunSpec, SweepCreate
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 NOW = datetime(2026, 1, 1, tzinfo=timezone.utc).isoformat()

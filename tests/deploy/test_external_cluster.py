@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from service.ray_cluster import ray_cli
+from service.cluster.head import ray_cli
 from tests.service.pg import postgres_database
 from workers import ray_metrics
 

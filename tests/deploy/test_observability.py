@@ -1,4 +1,4 @@
-"""service/observability.py: /metrics content, route-template labels, DB collector, JSON logs with run ids."""
+"""service/app/observability.py: /metrics content, route-template labels, DB collector, JSON logs with run ids."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from fastapi import FastAPI, HTTPException
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from service import observability as obs
+from service.app import observability as obs
 from service import store
-from service.db import make_engine, make_sessionmaker, session_scope
-from service.models import Base
+from service.store.db import make_engine, make_sessionmaker, session_scope
+from service.store.models import Base
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

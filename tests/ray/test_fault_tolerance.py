@@ -39,7 +39,7 @@ def test_worker_killed_mid_run_recovers_from_checkpoint(live_service, reference_
     assert (first_replayed - 1) % 5 == 0 and first_replayed <= 13
     assert done["summary"]["final_loss"] == pytest.approx(ref["summary"]["final_loss"], rel=1e-5)
     assert rows[-1]["loss"] == pytest.approx(ref_rows[-1]["loss"], rel=1e-5)
-    cks = httpx.get(f"{url}/v1/runs/{run['id']}/checkpoints", timeout=30).json()
+    cks = httpx.get(f"{url}/v1/runs/{run['id']}/checkpoints", timeout=30).json()["items"]
     assert {c["step"] for c in cks} >= {5, 10, 20, 25, 30}
 
 
@@ -50,11 +50,12 @@ def test_cancelled_run_resumes_from_checkpoint_with_a_new_layout(live_service, r
     run = submit(url, ft_spec(f"e2e-resume-{'-'.join(f'{k}{v}' for k, v in layout.items())}",
                               train={"steps": 2000, "seed": 1, "deterministic": True}))
     deadline = time.monotonic() + 300
-    while not any(c["step"] >= 10 for c in httpx.get(f"{url}/v1/runs/{run['id']}/checkpoints", timeout=30).json()):
+    ck_url = f"{url}/v1/runs/{run['id']}/checkpoints"
+    while not any(c["step"] >= 10 for c in httpx.get(ck_url, timeout=30).json()["items"]):
         assert time.monotonic() < deadline, "no checkpoint of step >= 10 recorded"
         time.sleep(0.5)
     assert httpx.post(f"{url}/v1/runs/{run['id']}/cancel", timeout=60).json()["status"] == "CANCELLED"
-    cks = httpx.get(f"{url}/v1/runs/{run['id']}/checkpoints", timeout=30).json()
+    cks = httpx.get(f"{url}/v1/runs/{run['id']}/checkpoints", timeout=30).json()["items"]
     last = max(c["step"] for c in cks)
     assert last >= 10
     ran = metrics(url, run["id"])[-1]["step"]

@@ -28,7 +28,7 @@ def driver_pids(run_id: str) -> list[int]:
     out = []
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "service.driver" in cmd and f"--run-id {run_id}" in cmd:
+        if "service.runs.driver" in cmd and f"--run-id {run_id}" in cmd:
             out.append(p.info["pid"])
     return out
 
@@ -62,7 +62,7 @@ def test_dp2_run_succeeds_with_every_step_and_ray_job(live_service, reference_dp
     assert transitions == [(None, "QUEUED"), ("QUEUED", "STARTING"), ("STARTING", "RUNNING"),
                            ("RUNNING", "SUCCEEDED")]
     # checkpoints: persisted by Ray Train, recorded with step/path/size; the last `keep` exist on disk
-    cks = httpx.get(f"{url}/v1/runs/{run_id}/checkpoints", timeout=30).json()
+    cks = httpx.get(f"{url}/v1/runs/{run_id}/checkpoints", timeout=30).json()["items"]
     assert [c["step"] for c in cks] == [5, 10, 15, 20, 25, 30]
     assert all(c["size_bytes"] for c in cks[-2:]), cks
     # the Ray Job is in Ray's own job list with the run's metadata
@@ -110,7 +110,13 @@ def test_cancel_stops_the_job_and_its_workers(live_service):
 def test_cluster_endpoint_reports_nodes_and_resources(live_service, ray_cluster):
     body = httpx.get(f"{live_service.url}/v1/cluster", timeout=30).json()
     assert body["cpus_total"] >= 4 and 0 <= body["cpus_free"] <= body["cpus_total"]
-    assert body["dashboard_url"] == ray_cluster.dashboard_url
+    # Ray's dashboard through the service (it adds the cluster's token): the link works for a meshrun-only user
+    assert body["dashboard_url"] == f"{live_service.url}/ray/"
+    page = httpx.get(body["dashboard_url"], timeout=30)
+    assert page.status_code == 200 and "Ray Dashboard" in page.text
+    jobs = httpx.get(f"{live_service.url}/ray/api/jobs/", timeout=30)
+    assert jobs.status_code == 200 and isinstance(jobs.json(), list)
+    assert httpx.post(f"{live_service.url}/ray/api/jobs/", json={}, timeout=30).status_code == 405  # read-only
     assert any(n["alive"] and n["cpus"] > 0 for n in body["nodes"])
 
 

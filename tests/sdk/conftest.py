@@ -33,7 +33,7 @@ class LiveServer:
 
     @contextmanager
     def session(self) -> Iterator[Any]:
-        from service.db import make_engine, make_sessionmaker, session_scope
+        from service.store.db import make_engine, make_sessionmaker, session_scope
 
         engine = make_engine(self.settings.database_url)
         try:
@@ -47,7 +47,7 @@ class LiveServer:
 def run_server(data_dir: Path, **overrides: Any) -> Iterator[LiveServer]:
     import uvicorn
 
-    from api.server import create_app
+    from service.app.server import create_app
     from service.settings import Settings
 
     port = free_port()
@@ -78,7 +78,7 @@ def api_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]
 
 @pytest.fixture(scope="session")
 def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    from service.auth import create_token
+    from service.security.tokens import create_token
 
     with run_server(tmp_path_factory.mktemp("meshrun-auth"), auth="on", rate_limit_per_minute=0) as srv:
         with srv.session() as s:
@@ -143,7 +143,7 @@ def play_when_submitted(server: LiveServer, name: str, **kw: Any) -> threading.T
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             with server.session() as s:
-                rows, _ = store.list_runs(s, name=name, limit=1)
+                rows, _, _ = store.list_runs(s, name=name, limit=1)
                 run_id = rows[0].id if rows else None
             if run_id:
                 worker = FakeWorker(server, run_id, **kw).start()

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from api import client as sdk
-from api.schemas import RunSpec
+from api.spec import RunSpec
 from api.sdk._base import tolerant_validate
 
 NOW = datetime(2026, 1, 1, tzinfo=timezone.utc).isoformat()

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from api import client as sdk
-from api.schemas import Layout, RunSpec
+from api.spec import Layout, RunSpec
 
 from .conftest import FakeWorker
 

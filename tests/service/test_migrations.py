@@ -7,13 +7,13 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect
 
-from service import migrate
-from service.db import make_engine
-from service.models import Base
+from service.store import migrate
+from service.store.db import make_engine
+from service.store.models import Base
 from tests.service.pg import postgres_database
 
 TABLES = {"runs", "run_attempts", "metrics", "run_events", "checkpoints", "sweeps", "trials", "calibrations",
-          "api_tokens"}
+          "run_stats", "api_tokens", "console_sessions", "sweep_events"}
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])

@@ -1,12 +1,12 @@
-"""service.placement: layout -> worker slots per node (pure logic, no Ray)."""
+"""service.cluster.placement: layout -> worker slots per node (pure logic, no Ray)."""
 
 from __future__ import annotations
 
 import pytest
 
-from api.schemas import RunSpec
-from api.validation import build_plan
-from service.placement import (NODE_ID_LABEL, NodeCapacity, Placement, add_reservations, check_tp_groups,
+from api.spec import RunSpec
+from api.spec.validation import build_plan
+from service.cluster.placement import (NODE_ID_LABEL, NodeCapacity, Placement, add_reservations, check_tp_groups,
                                never_fits, place, reservation, slot_description, slots, worker_resources)
 
 
@@ -141,7 +141,7 @@ class FakeCluster:
     dashboard_url = "http://127.0.0.1:8266"
 
     def __init__(self, cpus: float = 6, free: float | None = None):
-        from service.ray_cluster import NodeView
+        from service.cluster.head import NodeView
 
         self.node = NodeView(node_id="n1", alive=True, address="127.0.0.1", total={"CPU": cpus},
                              free={"CPU": cpus if free is None else free})
@@ -164,7 +164,7 @@ class FakeJobs:
         return kw["submission_id"]
 
     def state(self, job_id):
-        from service.ray_backend import JobState
+        from service.cluster.jobs import JobState
 
         return JobState(status=self.states.get(job_id, "MISSING"), message="boom" if job_id in self.states else None)
 
@@ -174,9 +174,9 @@ class FakeJobs:
 
 @pytest.fixture
 def sched(tmp_path):
-    from service.db import make_engine, make_sessionmaker
-    from service.models import Base
-    from service.scheduler import Scheduler
+    from service.store.db import make_engine, make_sessionmaker
+    from service.store.models import Base
+    from service.control.scheduler import Scheduler
     from service.settings import Settings
 
     settings = Settings(data_dir=tmp_path)
@@ -190,7 +190,7 @@ def sched(tmp_path):
 
 def _add_run(sched, name, *, dp=1, priority=0):
     from service import store
-    from service.db import session_scope
+    from service.store.db import session_scope
 
     plan = plan_for(dp=dp)
     with session_scope(sched.factory) as s:
@@ -201,7 +201,7 @@ def _add_run(sched, name, *, dp=1, priority=0):
 
 def _run(sched, run_id):
     from service import store
-    from service.db import session_scope
+    from service.store.db import session_scope
 
     with session_scope(sched.factory) as s:
         r = store.get_run(s, run_id=run_id)
@@ -215,7 +215,7 @@ def test_admission_counts_just_admitted_runs_and_keeps_fifo_with_priority(sched)
     sched.tick()
     assert _run(sched, a)[0] == "STARTING" and _run(sched, a)[2] == f"meshrun-{a}-1"
     job = sched.jobs.submitted[0]
-    assert job["entrypoint"].endswith(f"-m service.driver --run-id {a}")
+    assert job["entrypoint"].endswith(f"-m service.runs.driver --run-id {a}")
     assert job["metadata"]["run_id"] == a and job["metadata"]["name"] == "a"
     env = job["runtime_env"]["env_vars"]
     assert env["MESHRUN_DATABASE_URL"] == sched.settings.database_url and "MESHRUN_PLACEMENT" in env
@@ -260,8 +260,8 @@ def test_failed_submission_requeues_with_the_reason(sched):
 
 def test_reconcile_fails_a_running_run_whose_pinned_node_died(sched):
     from service import store
-    from service.db import session_scope
-    from service.ray_cluster import NodeView
+    from service.store.db import session_scope
+    from service.cluster.head import NodeView
 
     stopped = []
     sched.jobs.stop = lambda job_id: stopped.append(job_id) or True

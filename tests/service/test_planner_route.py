@@ -1,35 +1,39 @@
-"""POST /v1/plans through FastAPI's TestClient on a tiny app (the real app maps SpecError the same way)."""
+"""POST /v1/plans through FastAPI's TestClient on the app (no Ray runtime; SpecError -> 422 with the error body)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
 
-from api.routes import plans
-from api.routes.plans import router
-from api.schemas import ClusterSpec, PlanResponse
-from api.validation import SpecError
+from api.spec import ClusterSpec, PlanResponse
+from service.app.routes import plans
+from service.planner import Factors
+from service.store.calibrations import cluster_key, forget_cached_factors, store_calibration
 
 
 @pytest.fixture()
-def client():
-    app = FastAPI()
-    app.include_router(router)
+def client(tmp_path):
+    from service.app.server import create_app
+    from service.settings import Settings
 
-    @app.exception_handler(SpecError)
-    async def _spec_error(_: Request, exc: SpecError) -> JSONResponse:
-        return JSONResponse(status_code=422, content={"error": {"code": exc.code, "message": str(exc),
-                                                                "param": exc.param}})
-
+    app = create_app(
+        Settings(
+            start_scheduler=False, data_dir=tmp_path, database_url=f"sqlite:///{tmp_path}/p.db", rate_limit_per_minute=0
+        )
+    )
     with TestClient(app) as c:
         yield c
 
 
 def body(**over):
-    b = {"model": {"name": "gpt", "preset": "7b"}, "cluster": {"device": "H100", "nodes": 1},
-         "global_batch_size": 64, "top_k": 4}
+    b = {
+        "model": {"name": "gpt", "preset": "7b"},
+        "cluster": {"device": "H100", "nodes": 1},
+        "global_batch_size": 64,
+        "top_k": 4,
+    }
     b.update(over)
     return b
 
@@ -97,9 +101,93 @@ def test_live_falls_back_to_the_apps_runtime(client, monkeypatch):
         def planning_cluster(self):
             return ClusterSpec(device="cpu", gpus_per_node=2, nodes=1, peak_flops_per_s=5e10, memory_bytes=4 << 30)
 
+        def stop(self):  # the app's lifespan stops its runtime
+            pass
+
     client.app.state.runtime = FakeRuntime()
-    r = client.post("/v1/plans", json=body(model={"name": "gpt", "preset": "tiny"}, global_batch_size=8,
-                                            cluster={"device": "live"}))
+    r = client.post(
+        "/v1/plans", json=body(model={"name": "gpt", "preset": "tiny"}, global_batch_size=8, cluster={"device": "live"})
+    )
     assert r.status_code == 200, r.text
     assert r.json()["cluster"]["device"] == "cpu" and r.json()["cluster"]["world_size"] == 2
     assert r.json()["candidates"]
+
+
+def test_the_response_says_where_the_factors_came_from(client):
+    cluster = ClusterSpec(device="H100", nodes=1)
+    r = client.post("/v1/plans", json=body())
+    assert r.json()["calibration"]["source"] == "default" and r.json()["calibration"]["measured"] == []
+    with client.app.state.session_factory() as s:
+        store_calibration(
+            s,
+            cluster_key=cluster_key(cluster),
+            factors=Factors(tp_latency_scale=3.0),
+            error_before=0.4,
+            error_after=0.1,
+            sweep_id=None,
+            measured=["tp_latency_scale"],
+            observations=5,
+        )
+        s.commit()
+    forget_cached_factors()
+    try:
+        got = client.post("/v1/plans", json=body()).json()
+    finally:
+        forget_cached_factors()
+    cal = got["calibration"]
+    assert cal["source"] == "measured" and cal["measured"] == ["tp_latency_scale"] and cal["observations"] == 5
+    assert cal["measured_at"] and cal["error_after"] == 0.1
+    assert got["cluster"]["factors"]["tp_latency_scale"] == 3.0
+
+
+def test_an_absurd_search_is_a_422_naming_the_field(client):
+    big = {
+        "model": {
+            "name": "gpt",
+            "preset": None,
+            "n_layers": 1008,
+            "d_model": 10080,
+            "n_heads": 720,
+            "vocab_size": 50400,
+            "seq_len": 2048,
+        },
+        "cluster": {"device": "H100", "gpus_per_node": 720, "nodes": 154},
+        "global_batch_size": 110880,
+    }
+    r = client.post("/v1/plans", json=big)
+    assert r.status_code == 422
+    err = r.json()["error"]
+    assert err["param"] == "micro_batch_size" and err["code"] == "search_too_large"
+    assert "pin micro_batch_size" in err["message"]
+    r = client.post("/v1/plans", json=body(cluster={"device": "H100", "nodes": 100_000}))
+    assert r.status_code == 422 and r.json()["error"]["param"] == "cluster.nodes"
+
+
+def test_a_busy_planner_answers_503_with_retry_after(client, monkeypatch):
+    limiter = plans.PlannerLimiter(1)
+    monkeypatch.setattr(plans, "limiter", limiter)
+    assert limiter.try_acquire()  # another search holds the only slot
+    try:
+        r = client.post("/v1/plans", json=body())
+        assert r.status_code == 503
+        assert r.headers["Retry-After"] == "1" and r.json()["error"]["code"] == "planner_busy"
+    finally:
+        limiter.release()
+    assert client.post("/v1/plans", json=body()).status_code == 200  # the slot is free again
+
+
+def test_searches_run_off_the_event_loop(client, monkeypatch):
+    seen = {}
+    real = plans.planner.search
+
+    def spy(req, **kw):
+        try:  # inside the event loop's thread there is a running loop; in a threadpool worker there is none
+            asyncio.get_running_loop()
+            seen["on_loop"] = True
+        except RuntimeError:
+            seen["on_loop"] = False
+        return real(req, **kw)
+
+    monkeypatch.setattr(plans.planner, "search", spy)
+    assert client.post("/v1/plans", json=body()).status_code == 200
+    assert seen == {"on_loop": False}

@@ -10,9 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from sqlalchemy import func, select, text
 
-from service import migrate, store
-from service.db import make_engine, make_sessionmaker, session_scope
-from service.models import Base, Metric, Run, RunEvent
+from service.store import migrate
+from service import store
+from service.store import runs as store_runs
+from service.store.db import make_engine, make_sessionmaker, session_scope
+from service.store.models import Base, Metric, Run, RunEvent
 from tests.service.pg import postgres_database
 
 THREADS = 8
@@ -228,7 +230,7 @@ def test_duplicate_key_create_keeps_earlier_writes_of_the_same_transaction(facto
         # the first look-up misses (a concurrent request has not committed yet), the insert then collides
         return None if len(calls) == 1 else real_find(session, **kw)
 
-    monkeypatch.setattr(store, "find_by_idempotency_key", racing_find)
+    monkeypatch.setattr(store_runs, "find_by_idempotency_key", racing_find)
     with session_scope(factory) as s:
         store.add_event(s, run_id=other, kind="audit", reason="written before the duplicate create")
         run, created = store.create_run(s, spec={"name": "r"}, plan=None, project="p", idempotency_key="dup")

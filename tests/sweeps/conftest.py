@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from api.schemas import ClusterSpec
-from service.placement import never_fits as placement_never_fits
-from service.ray_backend import JobState
+from api.spec import ClusterSpec
+from service.cluster.placement import never_fits as placement_never_fits
+from service.cluster.jobs import JobState
 
 
 def tiny_base(**over: Any) -> dict[str, Any]:
@@ -51,15 +51,20 @@ class FakeJobs:
         self.states[job_id] = "STOPPED"
         return True
 
+    def reset(self) -> None:
+        pass
+
 
 class FakeRuntime:
-    """What the sweep routes use of ``service.runtime.Runtime``: the planning cluster, the capacity check, Jobs."""
+    """What the sweep routes use of ``service.control.runtime.Runtime`` (``service.sweeps.SweepHost``): the planning
+    cluster, the capacity check, the Jobs client and the cluster's addresses."""
 
     def __init__(self, factory: Any, settings: Any, cluster: ClusterSpec | None = None, cpus: float = 6):
         self.factory, self.settings = factory, settings
         self.jobs = FakeJobs()
         self.scheduler = None
         self.dashboard_url = "http://127.0.0.1:8265"
+        self.gcs_address = "127.0.0.1:6389"
         self._cluster = cluster or cpu_cluster(int(cpus))
         self._cpus = cpus
 
@@ -70,14 +75,14 @@ class FakeRuntime:
         return self._cluster
 
     def never_fits(self, plan: Any) -> str | None:
-        from service.placement import NodeCapacity
+        from service.cluster.placement import NodeCapacity
 
         return placement_never_fits(plan, [NodeCapacity("n1", {"CPU": self._cpus}, {"CPU": self._cpus})])
 
 
 @pytest.fixture
 def api(tmp_path) -> Iterator[TestClient]:
-    from api.server import create_app
+    from service.app.server import create_app
     from service.settings import Settings
 
     app = create_app(Settings(start_scheduler=False, data_dir=tmp_path, database_url=f"sqlite:///{tmp_path}/m.db",

@@ -3,12 +3,12 @@ submission and finishing (best trial, calibration) with a fake runtime."""
 
 from __future__ import annotations
 
-from api.schemas import SweepPublic
+from api.spec import SweepPublic
 from service import store
-from service.calibration import cluster_key, latest_factors
-from service.db import session_scope
-from service.models import Trial
-from service.sweeps import finish_sweep, get_sweep
+from service.store.calibrations import cluster_key, latest_factors
+from service.store.db import session_scope
+from service.store.models import Trial
+from service.sweeps import finish_sweep, get_sweep, transition_sweep
 from tests.sweeps.conftest import cpu_cluster, tiny_base
 
 LAYOUTS = [{"dp": 2}, {"tp": 2}, {"pp": 2}, {"dp": 2, "tp": 2}, {"tp": 3}]
@@ -83,7 +83,7 @@ def test_with_runtime_predicts_submits_one_job_and_reconciles(api, fake_runtime)
     sw = r.json()
     assert sw["ray_job_id"] == f"meshrun-{sw['id']}-1"
     [job] = fake_runtime.jobs.submitted
-    assert job["entrypoint"].endswith(f"-m service.sweep_driver --sweep-id {sw['id']}")
+    assert job["entrypoint"].endswith(f"-m service.sweeps.driver --sweep-id {sw['id']}")
     assert job["metadata"]["sweep_id"] == sw["id"] and job["metadata"]["meshrun"] == "sweep"
     env = job["runtime_env"]["env_vars"]
     assert env["MESHRUN_DATABASE_URL"].startswith("sqlite") and "MESHRUN_PLACEMENT" not in env
@@ -123,6 +123,8 @@ def test_finish_picks_the_best_measured_trial_and_calibrates(api, fake_runtime):
     factory = api.app.state.session_factory
     measured = {}
     with session_scope(factory) as s:
+        # what the sweep's driver does: RUNNING, then the trials' results
+        transition_sweep(s, sweep=get_sweep(s, sweep_id=sw["id"]), to="RUNNING", reason="driver started")
         trials = s.query(Trial).filter(Trial.sweep_id == sw["id"], Trial.status == "PENDING").order_by(Trial.id).all()
         for i, t in enumerate(trials):
             # "measurements": the prediction scaled by a layout-dependent factor

@@ -7,20 +7,48 @@ import math
 import pytest
 from sqlalchemy.orm import Session
 
-from api.schemas import ClusterSpec, Layout, ModelSpec
-from api.validation import resolve_model
-from service.calibration import (Observation, cluster_key, factors_for, fit_factors, latest_factors,
-                                 mean_relative_error, predict_tokens_per_s, spearman, store_calibration)
-from service.db import make_engine, make_sessionmaker
-from service.models import Base
+from api.spec import ClusterSpec, Layout, ModelSpec
+from api.spec.validation import resolve_model
 from service.planner import Factors
 from service.planner.factors import CPU_FACTORS
+from service.store.calibrations import (
+    Observation,
+    calibration_for,
+    cluster_key,
+    factors_for,
+    fit_factors,
+    latest_factors,
+    mean_relative_error,
+    predict,
+    predict_tokens_per_s,
+    spearman,
+    store_calibration,
+)
+from service.store.db import make_engine, make_sessionmaker
+from service.store.models import Base
 
 CLUSTER = ClusterSpec(device="cpu", gpus_per_node=6, nodes=1, peak_flops_per_s=20e9, memory_bytes=2 << 30)
-TRUE = Factors(gemm_fraction=0.25, intra_bandwidth_fraction=0.1, dp_overlap_fraction=0.1, intra_latency_s=1e-3,
-               layer_overhead_s=4e-3, step_overhead_s=0.03, flash_attention=False, memory_overhead_fraction=0.1)
-LAYOUTS = [(Layout(dp=2), 1), (Layout(dp=2), 2), (Layout(tp=2), 1), (Layout(tp=2), 2), (Layout(pp=2), 1),
-           (Layout(pp=2), 2), (Layout(dp=2, tp=2), 1), (Layout(dp=2, tp=2), 2), (Layout(dp=4), 1)]
+TRUE = Factors(
+    compute_efficiency=0.35,
+    launch_scale=6.0,
+    tp_latency_scale=8.0,
+    dp_bandwidth_efficiency=0.3,
+    pp_latency_scale=5.0,
+    dp_overlap_fraction=0.1,
+    step_overhead_s=0.03,
+    flash_attention=False,
+)
+LAYOUTS = [
+    (Layout(dp=2), 1),
+    (Layout(dp=2), 2),
+    (Layout(tp=2), 1),
+    (Layout(tp=2), 2),
+    (Layout(pp=2), 1),
+    (Layout(pp=2), 2),
+    (Layout(dp=2, tp=2), 1),
+    (Layout(dp=2, tp=2), 2),
+    (Layout(dp=4), 1),
+]
 
 
 def synthetic(factors: Factors, *, noise: float = 0.0) -> list[Observation]:
@@ -29,8 +57,7 @@ def synthetic(factors: Factors, *, noise: float = 0.0) -> list[Observation]:
     for i, (lay, mb) in enumerate(LAYOUTS):
         probe = Observation(cfg, lay, mb, 8, 1.0)
         wobble = 1 + noise * math.sin(7.0 * i)  # deterministic "measurement noise"
-        out.append(Observation(cfg, lay, mb, 8, predict_tokens_per_s(probe, CLUSTER, factors) * wobble,
-                               label=str(i)))
+        out.append(Observation(cfg, lay, mb, 8, predict_tokens_per_s(probe, CLUSTER, factors) * wobble, label=str(i)))
     return out
 
 
@@ -41,7 +68,7 @@ def test_fit_recovers_known_factors_and_lowers_the_error():
     assert fit.error_after < 0.05 and fit.error_after < fit.error_before / 10
     assert fit.rank_correlation_after >= fit.rank_correlation_before
     assert fit.rank_correlation_after > 0.9
-    assert "gemm_fraction" in fit.fitted
+    assert "compute_efficiency" in fit.fitted
     assert fit.elapsed_s < 10
     preds = [predict_tokens_per_s(o, CLUSTER, fit.factors) for o in obs]
     assert mean_relative_error(preds, [o.measured_tokens_per_s for o in obs]) == pytest.approx(fit.error_after)
@@ -60,9 +87,45 @@ def test_fit_with_noise_still_improves_and_never_gets_worse():
 def test_factors_no_measurement_depends_on_are_left_alone():
     obs = [o for o in synthetic(TRUE) if o.layout.tp == 1 and o.layout.pp == 1 and o.layout.dp == 2]
     fit = fit_factors(obs, CLUSTER, start=CPU_FACTORS)
-    assert "inter_bandwidth_fraction" not in fit.fitted
-    assert fit.factors.inter_bandwidth_fraction == CPU_FACTORS.inter_bandwidth_fraction
+    for name in ("tp_latency_scale", "tp_bandwidth_efficiency", "pp_latency_scale", "bubble_scale"):
+        assert name not in fit.fitted
+        assert getattr(fit.factors, name) == getattr(CPU_FACTORS, name)
     assert fit.error_after < fit.error_before
+
+
+def test_per_term_observations_fit_each_term_and_lower_its_error():
+    """Measured seconds per term (what a run's measured breakdown gives) pin the factors of that term."""
+    cfg = resolve_model(ModelSpec(name="gpt", preset="tiny"))
+    obs = []
+    for i, (lay, mb) in enumerate(LAYOUTS):
+        probe = Observation(cfg, lay, mb, 8)
+        truth = predict(probe, CLUSTER, TRUE).step_time_s
+        terms = {
+            k: getattr(truth, k)
+            for k in ("compute", "tp_comm", "pp_comm", "pp_bubble", "dp_comm")
+            if getattr(truth, k) > 0
+        }
+        obs.append(Observation(cfg, lay, mb, 8, measured_terms_s=terms, label=str(i)))
+    fit = fit_factors(obs, CLUSTER, start=CPU_FACTORS)
+    assert fit.measured == []  # no throughput given: the terms alone
+    for term, before in fit.term_error_before.items():
+        assert fit.term_error_after[term] <= before, term
+    assert fit.term_error_after["compute"] < 0.1 and fit.term_error_after["tp_comm"] < 0.15
+    assert {"compute_efficiency", "tp_latency_scale"} <= set(fit.fitted)
+    # throughput and terms together
+    both = [
+        Observation(
+            o.model,
+            o.layout,
+            o.micro_batch_size,
+            8,
+            predict_tokens_per_s(o, CLUSTER, TRUE),
+            measured_terms_s=o.measured_terms_s,
+        )
+        for o in obs
+    ]
+    fit2 = fit_factors(both, CLUSTER, start=CPU_FACTORS)
+    assert fit2.error_after < 0.1 < fit2.error_before
 
 
 def test_spearman():
@@ -83,9 +146,48 @@ def test_cluster_key_and_latest_factors(tmp_path):
         assert latest_factors(s, key) is None
         store_calibration(s, cluster_key=key, factors=CPU_FACTORS, error_before=1.0, error_after=0.5, sweep_id=None)
         store_calibration(s, cluster_key=key, factors=TRUE, error_before=0.5, error_after=0.1, sweep_id=None)
-        store_calibration(s, cluster_key="H100/1x8", factors=CPU_FACTORS, error_before=None, error_after=None,
-                          sweep_id=None)
+        store_calibration(
+            s, cluster_key="H100/1x8", factors=CPU_FACTORS, error_before=None, error_after=None, sweep_id=None
+        )
         s.commit()
         assert latest_factors(s, key) == TRUE
     assert factors_for(factory, CLUSTER) == TRUE
     assert factors_for(factory, None) is None
+    factors, info = calibration_for(factory, CLUSTER)
+    assert factors == TRUE and info.source == "measured" and info.error_after == 0.1
+    assert "compute_efficiency" in info.measured and info.measured_at is not None  # earlier rows: what differs
+    with Session(engine) as s:
+        store_calibration(
+            s,
+            cluster_key=key,
+            factors=TRUE,
+            error_before=0.3,
+            error_after=0.05,
+            sweep_id=None,
+            measured=["launch_scale"],
+            observations=4,
+        )
+        s.commit()
+    factors, info = calibration_for(factory, CLUSTER)
+    assert factors == TRUE and info.measured == ["launch_scale"] and info.observations == 4
+
+
+def test_calibrate_stores_per_term_fits_that_plans_then_use(tmp_path):
+    from service.store.calibrations import calibrate
+
+    engine = make_engine(f"sqlite:///{tmp_path}/c.db")
+    Base.metadata.create_all(engine)
+    cfg = resolve_model(ModelSpec(name="gpt", preset="tiny"))
+    obs = []
+    for lay, mb in LAYOUTS:
+        truth = predict(Observation(cfg, lay, mb, 8), CLUSTER, TRUE).step_time_s
+        obs.append(Observation(cfg, lay, mb, 8, measured_terms_s={"compute": truth.compute, "tp_comm": truth.tp_comm}))
+    with Session(engine) as s:
+        fit, cal = calibrate(s, cluster=CLUSTER, observations=obs)
+        s.commit()
+        assert cal is not None and fit.term_error_after["compute"] < fit.term_error_before["compute"]
+        assert cal.factors["_observations"] == len(obs) and "compute_efficiency" in cal.factors["_measured"]
+        none_fit, none_cal = calibrate(s, cluster=CLUSTER, observations=[Observation(cfg, Layout(dp=2), 1, 8)])
+        assert none_cal is None
+    factors, info = calibration_for(make_sessionmaker(engine), CLUSTER)
+    assert info.source == "measured" and factors == fit.factors

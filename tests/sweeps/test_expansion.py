@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from api.schemas import Layout, SweepCreate
-from api.validation import SpecError, check_spec
+from api.spec import Layout, SweepCreate
+from api.spec.validation import SpecError, check_spec
 from service.sweeps import TrialStatus, best_trial, expand, trial_spec
 from tests.sweeps.conftest import FakeRuntime, cpu_cluster, tiny_base
 

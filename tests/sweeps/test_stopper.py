@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ray.tune.schedulers import TrialScheduler
 
-from service.sweep_driver import SlowTrialStopper
+from service.sweeps.driver import SlowTrialStopper
 
 C, S = TrialScheduler.CONTINUE, TrialScheduler.STOP
 
@@ -45,7 +45,7 @@ def test_driver_callback_and_scheduler_pickle():
     """Tune pickles its callbacks and scheduler with the experiment state: plain data only."""
     import cloudpickle
 
-    from service.sweep_driver import TrialRecorder
+    from service.sweeps.driver import TrialRecorder
 
     cb = TrialRecorder("sqlite:////tmp/meshrun-pickle-test.db", "sweep-x", SlowTrialStopper())
     assert cb.factory is not None

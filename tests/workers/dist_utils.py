@@ -21,13 +21,14 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, specs: list[dict], out_path: str, kwargs: dict) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)
     from datetime import timedelta
 
-    from api.schemas import RunSpec
-    from api.validation import build_plan
+    from api.spec import RunSpec
+    from api.spec.validation import build_plan
     from workers.loop import WorkerJob, train
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
@@ -68,8 +69,9 @@ def run_world(world: int, specs: list[dict], **job_kwargs) -> list[dict]:
             return json.load(f)
 
 
-def tiny_spec(*, steps: int = 4, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, gbs: int = 8, mbs: int = 2,
-              **extra: Any) -> dict:
+def tiny_spec(
+    *, steps: int = 4, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, gbs: int = 8, mbs: int = 2, **extra: Any
+) -> dict:
     layout = {"dp": dp, "tp": tp, "pp": pp, "zero_stage": zero}
     layout.update(extra.pop("layout", {}))
     spec = {

@@ -71,8 +71,8 @@ def test_load_refuses_an_incomplete_checkpoint(tmp_path):
 
 
 def _tiny_gpt(n_layers: int):
-    from api.schemas import RunSpec
-    from api.validation import build_plan
+    from api.spec import RunSpec
+    from api.spec.validation import build_plan
     from workers.models import build_model, materialize
 
     plan = build_plan(RunSpec.model_validate(make_spec(model=dict(TINY, n_layers=n_layers))), device="cpu")
@@ -131,8 +131,7 @@ def test_fsdp_dp2_resume_is_exact_and_reshards_to_tp2(fsdp_dp2):
     assert [s for s, _ in list_checkpoints(root)] == [2, 4]
     assert run["summary"]["last_checkpoint"] == str(checkpoint_path(root, 4))
     assert {p.name for p in ck.glob("*.distcp")} >= {"__0_0.distcp", "__1_0.distcp"}
-    same, tp2 = loop_world(2, [_resume(make_spec({"dp": 2, "zero_stage": 3}), ck),
-                               _resume(make_spec({"tp": 2}), ck)])
+    same, tp2 = loop_world(2, [_resume(make_spec({"dp": 2, "zero_stage": 3}), ck), _resume(make_spec({"tp": 2}), ck)])
     assert same["steps"] == [3, 4]
     assert same["losses"] == run["losses"][2:]  # the same layout resumes bitwise
     assert tp2["steps"] == [3, 4]

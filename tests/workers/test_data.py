@@ -6,13 +6,21 @@ import numpy as np
 import pytest
 import torch
 
-from api.schemas import DataSpec
+from api.spec import DataSpec
 from workers.data import StepBatches, build_batches, builtin_corpus_files
 
 
 def _batches(data: DataSpec, *, dp_rank=0, dp_size=1, gbs=8, mbs=2, seed=0, seq_len=16, vocab=256) -> StepBatches:
-    return build_batches(data, seq_len=seq_len, vocab_size=vocab, seed=seed, global_batch_size=gbs,
-                         micro_batch_size=mbs, dp_rank=dp_rank, dp_size=dp_size)
+    return build_batches(
+        data,
+        seq_len=seq_len,
+        vocab_size=vocab,
+        seed=seed,
+        global_batch_size=gbs,
+        micro_batch_size=mbs,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+    )
 
 
 @pytest.mark.parametrize("data", [DataSpec(source="synthetic"), DataSpec(source="text")])

@@ -12,11 +12,23 @@ import pytest
 import torch.multiprocessing as mp
 import yaml
 
+from api.spec.metrics import METRIC_ROW_FIELDS, PEAK_MEMORY_PER_RANK, MetricRow
 from tests.workers.dist_utils import tiny_spec
 
 ROOT = Path(__file__).resolve().parents[2]
-ROW_KEYS = {"step", "loss", "tokens_per_s", "step_time_s", "mfu", "peak_memory_bytes", "peak_memory_bytes_per_rank",
-            "comm_fraction", "grad_norm", "lr", "time"}
+ROW_KEYS = {
+    "step",
+    "loss",
+    "tokens_per_s",
+    "step_time_s",
+    "mfu",
+    "peak_memory_bytes",
+    "peak_memory_bytes_per_rank",
+    "comm_fraction",
+    "grad_norm",
+    "lr",
+    "time",
+}
 
 
 def _launch(tmp_path: Path, spec: dict, *extra: str) -> subprocess.CompletedProcess:
@@ -24,8 +36,14 @@ def _launch(tmp_path: Path, spec: dict, *extra: str) -> subprocess.CompletedProc
     path.write_text(yaml.safe_dump(spec))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "workers", "--spec", str(path), *extra], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "workers", "--spec", str(path), *extra],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _rows(path: Path) -> list[dict]:
@@ -43,6 +61,9 @@ def test_launcher_writes_metrics_jsonl_and_checkpoints(tmp_path: Path) -> None:
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
         assert ROW_KEYS <= r.keys() and r["loss"] > 0 and r["peak_memory_bytes"] > 0 and r["tokens_per_s"] > 0
+        # every key the worker sends is a field of the one metric row definition (or the per-rank peaks)
+        assert r.keys() <= set(METRIC_ROW_FIELDS) | {PEAK_MEMORY_PER_RANK}, r.keys()
+        assert MetricRow.model_validate(r).step == r["step"]
     summary = json.loads(p.stdout.strip().splitlines()[-1])
     assert summary["steps_done"] == 4 and summary["final_loss"] == rows[-1]["loss"]
     assert sorted(d.name for d in ck.iterdir()) == ["step_00000004"]  # keep=1 pruned step 2
@@ -55,11 +76,25 @@ def test_launcher_resume_replays_exactly(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr[-3000:]
     rows = _rows(tmp_path / "m.jsonl")
     # stop after step 2 (with a checkpoint), then resume from it and replay steps 3-4 exactly
-    p = _launch(tmp_path, spec, "--metrics-out", str(tmp_path / "a.jsonl"), "--checkpoint-dir", str(tmp_path / "ck2"),
-                "--steps", "2")
+    p = _launch(
+        tmp_path,
+        spec,
+        "--metrics-out",
+        str(tmp_path / "a.jsonl"),
+        "--checkpoint-dir",
+        str(tmp_path / "ck2"),
+        "--steps",
+        "2",
+    )
     assert p.returncode == 0, p.stderr[-3000:]
-    p = _launch(tmp_path, spec, "--metrics-out", str(tmp_path / "b.jsonl"),
-                "--resume-from", str(tmp_path / "ck2" / "step_00000002"))
+    p = _launch(
+        tmp_path,
+        spec,
+        "--metrics-out",
+        str(tmp_path / "b.jsonl"),
+        "--resume-from",
+        str(tmp_path / "ck2" / "step_00000002"),
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     resumed = _rows(tmp_path / "b.jsonl")
     assert [r["step"] for r in resumed] == [3, 4]
@@ -81,18 +116,23 @@ def test_world_size_mismatch_says_how_to_launch(tmp_path: Path) -> None:
 
 def _stop_worker(rank: int, out: str) -> None:
     import torch
+
     torch.set_num_threads(1)
-    from api.schemas import RunSpec
-    from api.validation import build_plan
+    from api.spec import RunSpec
+    from api.spec.validation import build_plan
     from workers.loop import WorkerJob, train
 
-    spec = RunSpec.model_validate(tiny_spec(steps=10, checkpoint={"every_steps": 2}))
+    spec = RunSpec.model_validate(tiny_spec(steps=10, checkpoint={"every_steps": 2}, metrics={"report_every_s": 0}))
     plan = build_plan(spec, device="cpu")
     rows, ckpts = [], []
-    summary = train(WorkerJob(spec=spec, plan=plan, checkpoint_dir=os.path.join(out, "ck")), sink=rows.append,
-                    on_checkpoint=lambda s, p: ckpts.append((s, p)), stop=lambda: len(rows) >= 2)
-    # stop() is polled after each step's compute (its vote joins the step's metric gather), before that
-    # step's row reaches the sink: with 2 rows seen during step 3, training ends after step 3
+    summary = train(
+        WorkerJob(spec=spec, plan=plan, checkpoint_dir=os.path.join(out, "ck")),
+        sink=rows.append,
+        on_checkpoint=lambda s, p: ckpts.append((s, p)),
+        stop=lambda: len(rows) >= 2,
+    )
+    # stop() is polled at each report (here after every step: report_every_s 0), its vote joins the report's
+    # gather, before that step's row reaches the sink: with 2 rows seen during step 3, training ends after step 3
     with open(os.path.join(out, "res.json"), "w") as f:
         json.dump({"steps": [r["step"] for r in rows], "ckpts": ckpts, "summary": summary}, f)
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from api.presets import PRESETS
-from api.schemas import ModelSpec
-from api.validation import resolve_model
+from api.spec import ModelSpec
+from api.spec.presets import PRESETS
+from api.spec.validation import resolve_model
 from workers.models import build_model, count_params, init_weights, materialize, register_model, registered_models
 
 
@@ -110,8 +110,9 @@ def test_registry_and_custom_entrypoint() -> None:
 
     cfg = resolve_model(ModelSpec(name="gpt", preset="tiny")).model_copy(update={"name": "toy-test"})
     assert isinstance(build_model(cfg), torch.nn.Linear)
-    cfg = resolve_model(ModelSpec(name="custom", preset=None, entrypoint="torch.nn:Linear",
-                                  args={"in_features": 3, "out_features": 4}))
+    cfg = resolve_model(
+        ModelSpec(name="custom", preset=None, entrypoint="torch.nn:Linear", args={"in_features": 3, "out_features": 4})
+    )
     m = build_model(cfg)
     assert m.weight.is_meta and m.weight.shape == (4, 3)
     with pytest.raises(ValueError, match="unknown model"):
@@ -123,10 +124,12 @@ def test_workers_import_torch_only() -> None:
     import sys
     from pathlib import Path
 
-    code = ("import sys, workers.loop, workers.parallelize, workers.data, workers.models, workers.parallel_dims, "
-            "workers.metrics, workers.optim, workers.__main__; "
-            "bad = sorted(m for m in ('fastapi', 'sqlalchemy', 'ray', 'uvicorn') if m in sys.modules); "
-            "print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys, workers.loop, workers.parallelize, workers.data, workers.models, workers.parallel_dims, "
+        "workers.metrics, workers.optim, workers.__main__; "
+        "bad = sorted(m for m in ('fastapi', 'sqlalchemy', 'ray', 'uvicorn') if m in sys.modules); "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
     root = Path(__file__).resolve().parents[2]
     p = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr

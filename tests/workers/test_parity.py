@@ -19,8 +19,16 @@ BF16_TOL = 2e-3  # bf16 autocast / FSDP bf16 params vs fp32 over 4 steps (observ
 
 
 MLP = {"model": {"name": "mlp", "preset": "tiny", "seq_len": 32, "n_heads": 2}}  # api checks tp | n_heads even for mlp
-CUSTOM = {"model": {"name": "custom", "preset": None, "entrypoint": "tests.workers.custom_model:build",
-                    "args": {"d": 32}, "seq_len": 32, "tp_plan": TP_PLAN}}
+CUSTOM = {
+    "model": {
+        "name": "custom",
+        "preset": None,
+        "entrypoint": "tests.workers.custom_model:build",
+        "args": {"d": 32},
+        "seq_len": 32,
+        "tp_plan": TP_PLAN,
+    }
+}
 
 
 def _max_diff(a: list[float], b: list[float]) -> float:
@@ -31,8 +39,14 @@ def _max_diff(a: list[float], b: list[float]) -> float:
 @pytest.fixture(scope="module")
 def single() -> dict[str, list[float]]:
     names = ["ref", "accum_1x16", "accum_4x4", "bf16", "mlp", "custom"]
-    specs = [tiny_spec(), tiny_spec(gbs=16, mbs=16), tiny_spec(gbs=16, mbs=4), tiny_spec(precision="bf16"),
-             tiny_spec(**MLP), tiny_spec(**CUSTOM)]
+    specs = [
+        tiny_spec(),
+        tiny_spec(gbs=16, mbs=16),
+        tiny_spec(gbs=16, mbs=4),
+        tiny_spec(precision="bf16"),
+        tiny_spec(**MLP),
+        tiny_spec(**CUSTOM),
+    ]
     res = run_world(1, specs)
     return {n: r["losses"] for n, r in zip(names, res)}
 
@@ -67,10 +81,12 @@ LAYOUTS_4 = {
     "hsdp_2x2": tiny_spec(dp=4, zero=3, layout={"shard_group_size": 2}),
     "dp2_tp2_zero0": tiny_spec(dp=2, tp=2, zero=0),
     "dp2_tp2_sp_zero3": tiny_spec(dp=2, tp=2, zero=3, layout={"sequence_parallel": True}),
-    "dp2_tp2_zero2_ac_full_meta": tiny_spec(dp=2, tp=2, zero=2, activation_checkpointing="full",
-                                            _env={"MESHRUN_META_INIT_BYTES": "0"}),
-    "dp4_zero3_ac_selective_offload": tiny_spec(dp=4, zero=3, activation_checkpointing="selective",
-                                                layout={"cpu_offload": True}),
+    "dp2_tp2_zero2_ac_full_meta": tiny_spec(
+        dp=2, tp=2, zero=2, activation_checkpointing="full", _env={"MESHRUN_META_INIT_BYTES": "0"}
+    ),
+    "dp4_zero3_ac_selective_offload": tiny_spec(
+        dp=4, zero=3, activation_checkpointing="selective", layout={"cpu_offload": True}
+    ),
 }
 
 
@@ -114,13 +130,25 @@ def test_grad_norm_is_layout_invariant(world2, world4) -> None:
 
 
 def test_metric_rows(world2, world4) -> None:
-    keys = {"step", "loss", "tokens_per_s", "step_time_s", "mfu", "peak_memory_bytes", "peak_memory_bytes_per_rank",
-            "comm_fraction", "grad_norm", "lr", "time"}
+    keys = {
+        "step",
+        "loss",
+        "tokens_per_s",
+        "step_time_s",
+        "mfu",
+        "peak_memory_bytes",
+        "peak_memory_bytes_per_rank",
+        "comm_fraction",
+        "grad_norm",
+        "lr",
+        "time",
+    }
     rows = world4["hsdp_2x2"]["rows"]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
         assert keys <= r.keys()
-        assert len(r["peak_memory_bytes_per_rank"]) == 4 and r["peak_memory_bytes"] == max(r["peak_memory_bytes_per_rank"])
+        peaks = r["peak_memory_bytes_per_rank"]
+        assert len(peaks) == 4 and r["peak_memory_bytes"] == max(peaks)
         assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and 0 <= r["comm_fraction"] <= 1
     # data-parallel collectives are seen (FSDP all-gather/reduce-scatter, DDP buckets)
     assert max(r["comm_fraction"] for r in rows) > 0

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from api.schemas import RunSpec
-from api.validation import build_plan
+from api.spec import RunSpec
+from api.spec.validation import build_plan
 from workers.models import build_model
 from workers.pipeline import SCHEDULES, split_model_part, stage_ids_for_rank, stage_module_names
 
@@ -35,8 +35,10 @@ def test_gpt_stages_hold_embeddings_first_and_head_last():
 def test_uneven_layers_go_to_earlier_stages_and_match_the_model_split():
     model = _gpt(5)
     names = stage_module_names(model, 2)
-    assert names == [["tok_emb", "pos_emb", "layers.0", "layers.1", "layers.2"],
-                     ["layers.3", "layers.4", "norm", "output"]]
+    assert names == [
+        ["tok_emb", "pos_emb", "layers.0", "layers.1", "layers.2"],
+        ["layers.3", "layers.4", "norm", "output"],
+    ]
     # the model's own declaration (workers.models) agrees
     assert [[n.split(".")[1] for n in s if n.startswith("layers.")] for s in names] == model.stage_layer_keys(2)
 
@@ -98,8 +100,14 @@ def test_user_models_split_at_split_points_modulelist_and_sequential():
     names = stage_module_names(net, 2, split_points=["blocks.2"])
     assert names == [["emb", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "head"]]
     a, b = (split_model_part(net, n) for n in names)
-    assert {n for n, _ in b.named_parameters()} == {"blocks.2.weight", "blocks.2.bias", "blocks.3.weight",
-                                                    "blocks.3.bias", "head.weight", "head.bias"}
+    assert {n for n, _ in b.named_parameters()} == {
+        "blocks.2.weight",
+        "blocks.2.bias",
+        "blocks.3.weight",
+        "blocks.3.bias",
+        "head.weight",
+        "head.bias",
+    }
     assert isinstance(a.head, nn.Identity) and isinstance(b.emb, nn.Identity)  # dropped, forward unchanged
     x = torch.randn(3, 4)
     torch.testing.assert_close(b(a(x)), net(x))
@@ -126,15 +134,23 @@ def test_stage_ids_looped_and_v_shaped():
 
 # ------------------------------------------------------------------------------------- parity (slow)
 # a user model (entrypoint) whose forward knows nothing of pipelines, split by model.pp_split_points
-CUSTOM = {"name": "custom", "preset": None, "entrypoint": "tests.workers.custom_model:build", "args": {"d": 32},
-          "seq_len": 32}
+CUSTOM = {
+    "name": "custom",
+    "preset": None,
+    "entrypoint": "tests.workers.custom_model:build",
+    "args": {"d": 32},
+    "seq_len": 32,
+}
 MODELS = {"tiny": TINY, "tiny4": TINY4, "custom": CUSTOM}
 PP2_CASES = {  # name: (layout, model key, extra model fields)
     "gpipe": ({"pp": 2, "pp_schedule": "gpipe"}, "tiny", {}),
     "1f1b": ({"pp": 2, "pp_schedule": "1f1b"}, "tiny", {}),
     "interleaved_1f1b": ({"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}, "tiny4", {}),
-    "interleaved_zero_bubble": ({"pp": 2, "pp_schedule": "interleaved_zero_bubble", "pp_virtual_stages": 2},
-                                "tiny4", {}),
+    "interleaved_zero_bubble": (
+        {"pp": 2, "pp_schedule": "interleaved_zero_bubble", "pp_virtual_stages": 2},
+        "tiny4",
+        {},
+    ),
     "zbv": ({"pp": 2, "pp_schedule": "zbv", "pp_virtual_stages": 2}, "tiny4", {}),
     "custom_split_points": ({"pp": 2}, "custom", {"pp_split_points": ["blocks.1"]}),
 }

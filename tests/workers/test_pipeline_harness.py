@@ -15,8 +15,9 @@ import json
 import os
 import socket
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,8 +34,9 @@ def free_port() -> int:
 
 def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out: str, args: tuple) -> None:
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
         result = fn(*args)
@@ -53,8 +55,17 @@ def run_world(fn: Callable[..., Any], world: int, *args: Any) -> Any:
         return json.loads(Path(out).read_text())
 
 
-def make_spec(layout: dict | None = None, *, model: dict | None = None, gbs: int = 8, mbs: int = 2, steps: int = 4,
-              every: int = 0, lr: float = 1e-2, grad_clip: float | None = 1.0) -> dict:
+def make_spec(
+    layout: dict | None = None,
+    *,
+    model: dict | None = None,
+    gbs: int = 8,
+    mbs: int = 2,
+    steps: int = 4,
+    every: int = 0,
+    lr: float = 1e-2,
+    grad_clip: float | None = 1.0,
+) -> dict:
     return {
         "name": "pp-ckpt-test",
         "model": dict(model or TINY),
@@ -69,8 +80,8 @@ def make_spec(layout: dict | None = None, *, model: dict | None = None, gbs: int
 
 def loop_runs(runs: list[tuple[dict, dict]]) -> list[dict]:
     """``workers.loop.train`` for each (spec, WorkerJob kwargs), in order, in this world."""
-    from api.schemas import RunSpec
-    from api.validation import build_plan
+    from api.spec import RunSpec
+    from api.spec.validation import build_plan
     from workers.loop import WorkerJob, train
 
     out = []
@@ -79,8 +90,14 @@ def loop_runs(runs: list[tuple[dict, dict]]) -> list[dict]:
         plan = build_plan(spec, device="cpu")
         rows: list[dict] = []
         summary = train(WorkerJob(spec=spec, plan=plan, **job_kw), sink=rows.append)
-        out.append({"losses": [r["loss"] for r in rows], "steps": [r["step"] for r in rows],
-                    "grad_norms": [r["grad_norm"] for r in rows], "summary": summary})
+        out.append(
+            {
+                "losses": [r["loss"] for r in rows],
+                "steps": [r["step"] for r in rows],
+                "grad_norms": [r["grad_norm"] for r in rows],
+                "summary": summary,
+            }
+        )
     return out
 
 
@@ -98,13 +115,14 @@ def _batch(step: int, *, batch: int, seq_len: int, vocab: int, seed: int) -> tup
     return toks[:, :-1].contiguous(), toks[:, 1:].contiguous()
 
 
-def train_local(spec_dict: dict, save_at: int | None = None, ckpt: str | None = None,
-                resume: str | None = None) -> dict:
+def train_local(
+    spec_dict: dict, save_at: int | None = None, ckpt: str | None = None, resume: str | None = None
+) -> dict:
     """Train to ``spec.train.steps`` (from ``resume`` if given), saving after step ``save_at`` to ``ckpt``
     (``{rank}`` in it is replaced: per-rank directories). No grad clipping. Works without a process group.
     Returns {"losses", "start", "extra", "rng_after_save", "rng_after_load"}."""
-    from api.schemas import RunSpec
-    from api.validation import build_plan
+    from api.spec import RunSpec
+    from api.spec.validation import build_plan
     from workers.checkpoint import load_checkpoint, save_checkpoint
     from workers.loop import loss_fn
     from workers.models import build_model, materialize
@@ -126,8 +144,9 @@ def train_local(spec_dict: dict, save_at: int | None = None, ckpt: str | None = 
         dims = ParallelDims.from_plan(plan, world_size=dist.get_world_size(), device_type="cpu")
         pfn = partial(parallelize_model, dims=dims, plan=plan, spec=spec, device="cpu")
         if plan.pp > 1:
-            runner = build_pipeline(model, dims=dims, plan=plan, spec=spec, device="cpu", parallelize_fn=pfn,
-                                    loss_fn=loss_fn)
+            runner = build_pipeline(
+                model, dims=dims, plan=plan, spec=spec, device="cpu", parallelize_fn=pfn, loss_fn=loss_fn
+            )
             parts = list(runner.model_parts)
         else:
             parts = [pfn(model)]
@@ -149,9 +168,14 @@ def train_local(spec_dict: dict, save_at: int | None = None, ckpt: str | None = 
     dp_rank, dp = (dims.dp_rank, dims.dp_size) if dims is not None else (0, 1)
     local_b = plan.global_batch_size // dp
     for step in range(res["start"] + 1, spec.train.steps + 1):
-        x, y = _batch(step, batch=plan.global_batch_size, seq_len=plan.model.seq_len, vocab=plan.model.vocab_size,
-                      seed=spec.train.seed)
-        x, y = x[dp_rank * local_b:(dp_rank + 1) * local_b], y[dp_rank * local_b:(dp_rank + 1) * local_b]
+        x, y = _batch(
+            step,
+            batch=plan.global_batch_size,
+            seq_len=plan.model.seq_len,
+            vocab=plan.model.vocab_size,
+            seed=spec.train.seed,
+        )
+        x, y = x[dp_rank * local_b : (dp_rank + 1) * local_b], y[dp_rank * local_b : (dp_rank + 1) * local_b]
         if runner is not None:
             loss = runner.step(x, y)
             loss = torch.zeros(()) if loss is None else loss
@@ -169,7 +193,15 @@ def train_local(spec_dict: dict, save_at: int | None = None, ckpt: str | None = 
             loss = loss / (dp * plan.tp)
         res["losses"].append(float(loss))
         if save_at is not None and step == save_at:
-            save_checkpoint(ckpt.format(rank=rank), model_parts=parts, optimizers=opts, schedulers=scheds,
-                            step=step, plan=plan, spec=spec, extra={"rank": rank, "next_step": step + 1})
+            save_checkpoint(
+                ckpt.format(rank=rank),
+                model_parts=parts,
+                optimizers=opts,
+                schedulers=scheds,
+                step=step,
+                plan=plan,
+                spec=spec,
+                extra={"rank": rank, "next_step": step + 1},
+            )
             res["rng_after_save"] = torch.rand(3).tolist()
     return res

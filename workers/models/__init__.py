@@ -15,12 +15,13 @@ from __future__ import annotations
 import logging
 import math
 import zlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from api.schemas import ModelConfig
+from api.spec import ModelConfig
 from workers.models.gpt import GPT, Block
 from workers.models.mlp import MLPBlock, MLPModel
 
@@ -37,6 +38,7 @@ def register_model(name: str) -> Callable[[ModelBuilder], ModelBuilder]:
     def deco(fn: ModelBuilder) -> ModelBuilder:
         _REGISTRY[name] = fn
         return fn
+
     return deco
 
 
@@ -46,14 +48,21 @@ def registered_models() -> list[str]:
 
 @register_model("gpt")
 def _build_gpt(cfg: ModelConfig) -> nn.Module:
-    return GPT(n_layers=cfg.n_layers, d_model=cfg.d_model, n_heads=cfg.n_heads, vocab_size=cfg.vocab_size,
-               seq_len=cfg.seq_len, d_ff=cfg.d_ff)
+    return GPT(
+        n_layers=cfg.n_layers,
+        d_model=cfg.d_model,
+        n_heads=cfg.n_heads,
+        vocab_size=cfg.vocab_size,
+        seq_len=cfg.seq_len,
+        d_ff=cfg.d_ff,
+    )
 
 
 @register_model("mlp")
 def _build_mlp(cfg: ModelConfig) -> nn.Module:
-    return MLPModel(n_layers=cfg.n_layers, d_model=cfg.d_model, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len,
-                    d_ff=cfg.d_ff)
+    return MLPModel(
+        n_layers=cfg.n_layers, d_model=cfg.d_model, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, d_ff=cfg.d_ff
+    )
 
 
 def load_entrypoint(entrypoint: str, *, param: str = "model.entrypoint") -> Callable[..., Any]:
@@ -102,12 +111,14 @@ def _param_seed(seed: int, name: str) -> int:
 def _is_norm(module: nn.Module) -> bool:
     """Normalisation layers of user models (nn.RMSNorm, GroupNorm, Hugging Face LlamaRMSNorm, ...): weight 1,
     bias 0 (a zero norm weight would silence the whole model)."""
-    return isinstance(module, (nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)) or \
-        type(module).__name__.lower().endswith("norm")
+    return isinstance(module, (nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)) or type(
+        module
+    ).__name__.lower().endswith("norm")
 
 
-def _full_init(module: nn.Module, pname: str, full_name: str, shape: torch.Size, *, seed: int,
-               n_layers: int) -> torch.Tensor:
+def _full_init(
+    module: nn.Module, pname: str, full_name: str, shape: torch.Size, *, seed: int, n_layers: int
+) -> torch.Tensor:
     """The full (unsharded) initial value of one parameter, a pure function of (seed, name, shape)."""
     g = torch.Generator().manual_seed(_param_seed(seed, full_name))
     if isinstance(module, nn.LayerNorm) or _is_norm(module):
@@ -124,10 +135,12 @@ def _full_init(module: nn.Module, pname: str, full_name: str, shape: torch.Size,
 
 def _local_slice(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
+
     if not isinstance(p, DTensor):
         return full
     try:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
         local_shape, offset = compute_local_shape_and_global_offset(full.shape, p.device_mesh, p.placements)
         idx = tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
         out = full[idx]
@@ -136,6 +149,7 @@ def _local_slice(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     except Exception:  # pragma: no cover - fall back to the public API
         pass
     from torch.distributed.tensor import distribute_tensor
+
     return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
 
 
@@ -178,5 +192,17 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["GPT", "Block", "MLPModel", "MLPBlock", "build_model", "register_model", "registered_models",
-           "init_weights", "materialize", "canonical_name", "count_params", "load_entrypoint"]
+__all__ = [
+    "GPT",
+    "Block",
+    "MLPModel",
+    "MLPBlock",
+    "build_model",
+    "register_model",
+    "registered_models",
+    "init_weights",
+    "materialize",
+    "canonical_name",
+    "count_params",
+    "load_entrypoint",
+]

@@ -8,7 +8,7 @@ Shapes: B batch, T tokens, h d_model, f d_ff, V vocab, s max positions, H heads,
   - mlp: ``w1`` Linear(h, f, bias), GELU, ``w2`` Linear(f, h, bias)
 - ``norm`` LayerNorm(h), ``output`` Linear(h, V, bias=False) (untied, no dropout)
 
-The parameter count equals ``api.presets.gpt_param_count`` exactly (tested).
+The parameter count equals ``api.spec.presets.gpt_param_count`` exactly (tested).
 
 Pipeline parallel: a stage-local copy sets ``tok_emb``/``pos_emb`` to None (the input is already a hidden
 state ``(B, T, h)``) and/or ``norm``/``output`` to None (the hidden state is returned), and keeps only its
@@ -72,8 +72,9 @@ class Block(nn.Module):
 class GPT(nn.Module):
     block_class = Block
 
-    def __init__(self, *, n_layers: int, d_model: int, n_heads: int, vocab_size: int, seq_len: int,
-                 d_ff: int | None = None):
+    def __init__(
+        self, *, n_layers: int, d_model: int, n_heads: int, vocab_size: int, seq_len: int, d_ff: int | None = None
+    ):
         super().__init__()
         self.n_layers, self.d_model, self.n_heads = n_layers, d_model, n_heads
         self.vocab_size, self.seq_len, self.d_ff = vocab_size, seq_len, d_ff or 4 * d_model
@@ -85,7 +86,7 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, V); or hidden (B, T, h) in/out for pipeline stages."""
-        if self.tok_emb is not None:
+        if self.tok_emb is not None and self.pos_emb is not None:
             T = tokens.shape[1]
             pos = torch.arange(T, device=tokens.device).unsqueeze(0)  # (1, T)
             x = self.tok_emb(tokens) + self.pos_emb(pos)  # (B, T, h) (or a T/tp shard under SP)
@@ -107,15 +108,17 @@ class GPT(nn.Module):
         ``(B, T/tp, h)`` between modules, gathered before attention/MLP and reduce-scattered after.
         ``loss_parallel`` leaves logits as a vocab-sharded DTensor (use ``loss_parallel()`` around the loss).
         """
-        return _transformer_tp_plan(self, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-                                    attention=True)
+        return _transformer_tp_plan(
+            self, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, attention=True
+        )
 
     def stage_layer_keys(self, n_stages: int) -> list[list[str]]:
         return stage_layer_keys(list(self.layers.keys()), n_stages)
 
-    def split_for_pipeline(self, stage_idx: int, n_stages: int) -> "GPT":
-        return split_for_pipeline(self, stage_idx, n_stages, first=("tok_emb", "pos_emb"),
-                                  last=("norm", "output"))
+    def split_for_pipeline(self, stage_idx: int, n_stages: int) -> GPT:
+        part = split_for_pipeline(self, stage_idx, n_stages, first=("tok_emb", "pos_emb"), last=("norm", "output"))
+        assert isinstance(part, GPT)
+        return part
 
     def flops_per_token(self) -> float:
         """Model FLOPs per trained token (fwd+bwd, GEMMs; Megatron/Korthikanti eq. 7 divided by B s)."""
@@ -125,11 +128,9 @@ class GPT(nn.Module):
 
 
 # --------------------------------------------------------------------------------------- shared helpers
-def _transformer_tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool,
-                         attention: bool) -> dict:
+def _transformer_tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool, attention: bool) -> dict:
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
     sp = sequence_parallel
     plan: dict = {}
@@ -141,10 +142,13 @@ def _transformer_tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_para
     if getattr(model, "output", None) is not None:
         if sp and getattr(model, "norm", None) is not None:
             plan["norm"] = SequenceParallel()
-        plan["output"] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
-                                         output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                         use_local_output=not loss_parallel)
-    for key in model.layers.keys():
+        plan["output"] = ColwiseParallel(
+            input_layouts=Shard(1) if sp else Replicate(),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    layers: nn.ModuleDict = model.get_submodule("layers")  # type: ignore[assignment]
+    for key in layers.keys():
         p = f"layers.{key}."
         if attention:
             if sp:
@@ -174,29 +178,33 @@ def stage_layer_keys(keys: list[str], n_stages: int) -> list[list[str]]:
     The first stage also holds the embeddings and the last the final norm and head.
     """
     if n_stages < 1 or n_stages > len(keys):
-        raise ValueError(f"cannot split {len(keys)} layers into {n_stages} pipeline stages; "
-                         f"use 1 <= stages <= {len(keys)}")
+        raise ValueError(
+            f"cannot split {len(keys)} layers into {n_stages} pipeline stages; use 1 <= stages <= {len(keys)}"
+        )
     q, r = divmod(len(keys), n_stages)
     out, i = [], 0
     for s in range(n_stages):
         n = q + (1 if s < r else 0)
-        out.append(keys[i:i + n])
+        out.append(keys[i : i + n])
         i += n
     return out
 
 
-def split_for_pipeline(model: nn.Module, stage_idx: int, n_stages: int, *, first: tuple[str, ...],
-                       last: tuple[str, ...]) -> nn.Module:
+def split_for_pipeline(
+    model: nn.Module, stage_idx: int, n_stages: int, *, first: tuple[str, ...], last: tuple[str, ...]
+) -> nn.Module:
     """A deep copy of ``model`` holding only stage ``stage_idx``'s modules (works on the meta device).
 
     Parameter names are unchanged (``layers.3.attn.wq.weight`` stays), so checkpoints of any split load
     into any other split.
     """
-    keep = set(stage_layer_keys(list(model.layers.keys()), n_stages)[stage_idx])
+    layers: nn.ModuleDict = model.get_submodule("layers")  # type: ignore[assignment]
+    keep = set(stage_layer_keys(list(layers.keys()), n_stages)[stage_idx])
     part = copy.deepcopy(model)
-    for k in list(part.layers.keys()):
+    part_layers: nn.ModuleDict = part.get_submodule("layers")  # type: ignore[assignment]
+    for k in list(part_layers.keys()):
         if k not in keep:
-            del part.layers[k]
+            del part_layers[k]
     if stage_idx != 0:
         for name in first:
             setattr(part, name, None)

@@ -1,7 +1,7 @@
 """MLP token model (no attention): embedding -> L residual blocks -> final LayerNorm -> head.
 
 Block: x + w2(GELU(w1(ln(x)))) with ``ln`` LayerNorm(h), ``w1`` Linear(h, f), ``w2`` Linear(f, h) (biases).
-Parameter count equals ``api.presets.mlp_param_count``. Same pipeline conventions as ``GPT``.
+Parameter count equals ``api.spec.presets.mlp_param_count``. Same pipeline conventions as ``GPT``.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ class MLPBlock(nn.Module):
 class MLPModel(nn.Module):
     block_class = MLPBlock
 
-    def __init__(self, *, n_layers: int, d_model: int, vocab_size: int, seq_len: int, d_ff: int | None = None,
-                 **_: object):
+    def __init__(
+        self, *, n_layers: int, d_model: int, vocab_size: int, seq_len: int, d_ff: int | None = None, **_: object
+    ):
         super().__init__()
         self.n_layers, self.d_model, self.vocab_size = n_layers, d_model, vocab_size
         self.seq_len, self.d_ff = seq_len, d_ff or 4 * d_model
@@ -48,14 +49,17 @@ class MLPModel(nn.Module):
         return x
 
     def tp_plan(self, *, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict:
-        return _transformer_tp_plan(self, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-                                    attention=False)
+        return _transformer_tp_plan(
+            self, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, attention=False
+        )
 
     def stage_layer_keys(self, n_stages: int) -> list[list[str]]:
         return stage_layer_keys(list(self.layers.keys()), n_stages)
 
-    def split_for_pipeline(self, stage_idx: int, n_stages: int) -> "MLPModel":
-        return split_for_pipeline(self, stage_idx, n_stages, first=("tok_emb",), last=("norm", "output"))
+    def split_for_pipeline(self, stage_idx: int, n_stages: int) -> MLPModel:
+        part = split_for_pipeline(self, stage_idx, n_stages, first=("tok_emb",), last=("norm", "output"))
+        assert isinstance(part, MLPModel)
+        return part
 
     def flops_per_token(self) -> float:
         h, f, V = self.d_model, self.d_ff, self.vocab_size

@@ -1,0 +1,11 @@
+"""The ``meshrun`` command line (typer + rich). Commands talk to the service over HTTP through the SDK; only the
+commands in ``api.cli.server`` (``serve``, ``demo``, ``db``, ``token``) reach into the service package, lazily,
+inside the command.
+
+One module per command group registers its commands on the shared typer app (``api.cli._common.app``).
+"""
+
+from api.cli import plan, runs, server, sweeps  # noqa: F401  (registers the commands)
+from api.cli._common import app
+
+__all__ = ["app"]

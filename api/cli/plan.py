@@ -1,0 +1,213 @@
+"""``meshrun plan`` (rank layouts) and ``meshrun validate`` (check a spec offline)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.table import Table
+
+from api.cli._common import (
+    EXIT_INVALID,
+    EXIT_USAGE,
+    _escape,
+    _fail,
+    _gib,
+    _load_or_usage,
+    _pct,
+    _rate,
+    _state,
+    _usage,
+    app,
+    command,
+    emit_json,
+    err,
+    out,
+)
+from api.sdk import (
+    layout_str,
+    parse_layout,
+)
+from api.sdk._specs import apply_overrides
+
+# ------------------------------------------------------------------------------------------------ plans
+BREAKDOWN_TERMS = (
+    ("compute", "comp"),
+    ("tp_comm", "tp"),
+    ("pp_comm", "pp"),
+    ("pp_bubble", "bubble"),
+    ("dp_comm", "dp"),
+    ("optimizer", "opt"),
+    ("other", "other"),
+)
+
+
+def breakdown_str(step: Any) -> str:
+    """Where a predicted step goes, largest first: 'comp 71% tp 14% bubble 9% dp 3%' (terms of 1 % or more)."""
+    total = getattr(step, "total", 0.0) or 0.0
+    if total <= 0:
+        return "-"
+    parts = [(short, (getattr(step, name, 0.0) or 0.0) / total) for name, short in BREAKDOWN_TERMS]
+    return " ".join(f"{short} {share:.0%}" for short, share in sorted(parts, key=lambda p: -p[1]) if share >= 0.01)
+
+
+def _calibration_note(resp: Any) -> str:
+    cal = getattr(resp, "calibration", None)
+    if cal is None or getattr(cal, "source", "default") != "measured":
+        return "planner factors: defaults (no measured runs of this cluster yet)"
+    when = cal.measured_at.strftime("%Y-%m-%d %H:%M") if getattr(cal, "measured_at", None) else "?"
+    names = ", ".join(cal.measured or []) or "none moved"
+    return f"planner factors measured {when} (calibration {cal.calibration_id}): {names}"
+
+
+def plan_table(resp: Any, *, show_rejected: bool = False) -> Table:
+    cl = resp.cluster
+    title = (
+        f"{resp.model.name} {resp.model.n_params / 1e9:.2f}B params on "
+        f"{cl.get('nodes', '?')} x {cl.get('gpus_per_node', '?')} {cl.get('device', '?')}  "
+        f"({resp.evaluated} layouts evaluated in {resp.elapsed_s:.2f}s)"
+    )
+    t = Table(title=title)
+    t.caption = (
+        "mb: micro-batch size; ckpt: activation checkpointing; GiB: predicted peak memory per GPU; "
+        "breakdown: predicted share of the step (comp compute, tp/pp/dp communication, bubble pipeline idle, "
+        "opt optimizer; dp counts only what the backward pass does not hide)\n" + _calibration_note(resp)
+    )
+    for col in ("#", "layout", "mb", "ckpt", "GiB", "step s", "tokens/s", "MFU", "breakdown", "feasible"):
+        t.add_column(
+            col,
+            justify="right" if col in ("#", "mb", "GiB", "step s", "tokens/s", "MFU") else "left",
+            no_wrap=col in ("layout", "tokens/s"),
+        )
+    if show_rejected:
+        t.add_column("reason")
+    rows = list(resp.candidates) + (list(resp.rejected) if show_rejected else [])
+    for i, c in enumerate(rows, 1):
+        t.add_row(
+            str(i),
+            layout_str(c.layout),
+            str(c.micro_batch_size),
+            c.activation_checkpointing,
+            _gib(c.memory_bytes.total),
+            f"{c.step_time_s.total:.3f}",
+            _rate(c.tokens_per_s),
+            _pct(c.mfu),
+            breakdown_str(c.step_time_s),
+            "[green]yes[/]" if c.feasible else "[red]no[/]",
+            *([_escape(c.reason or "")] if show_rejected else []),
+        )
+    return t
+
+
+@command(app, "plan")
+def plan(
+    ctx: typer.Context,
+    file: Optional[Path] = typer.Argument(None, help="A plan request or a run spec (YAML/JSON)."),
+    model: Optional[str] = typer.Option(None, help="Model family: gpt | mlp."),
+    preset: Optional[str] = typer.Option(None, help="Preset, e.g. 125m, 7b, 70b."),
+    device: Optional[str] = typer.Option(None, help="H100, A100-80GB, H200, L4, cpu, or 'live' (the service's Ray)."),
+    gpus_per_node: Optional[int] = typer.Option(None, min=1),
+    nodes: Optional[int] = typer.Option(None, min=1),
+    global_batch_size: Optional[int] = typer.Option(None, min=1),
+    seq_len: Optional[int] = typer.Option(None, min=1),
+    precision: Optional[str] = typer.Option(None, help="fp32 | bf16 | fp16 (default bf16)."),
+    layout: Optional[str] = typer.Option(None, help='Score only this layout, e.g. "dp=4,tp=8,pp=4".'),
+    keep_layout: bool = typer.Option(False, "--keep-layout", help="With a run spec FILE: score its layout only."),
+    micro_batch_size: Optional[int] = typer.Option(None, min=1),
+    top_k: Optional[int] = typer.Option(None, "--top-k", min=1, help="How many candidates (default 10)."),
+    show_rejected: bool = typer.Option(False, "--rejected", help="Also list layouts that do not fit."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Predict memory, step time, tokens/s and MFU of layouts before running anything."""
+    body: dict[str, Any] = {}
+    if file is not None:
+        data = _load_or_usage(file)
+        if "global_batch_size" in data or "cluster" in data:
+            body = data
+        else:  # a run spec
+            body = {
+                "model": data.get("model", {}),
+                "global_batch_size": (data.get("batch") or {}).get("global_batch_size", 16),
+            }
+            if data.get("precision"):
+                body["precision"] = data["precision"]
+            if keep_layout:
+                body["layout"] = data.get("layout", {})
+                if (data.get("batch") or {}).get("micro_batch_size"):
+                    body["micro_batch_size"] = data["batch"]["micro_batch_size"]
+    elif model is None and preset is None:
+        _fail("give a FILE or --model/--preset with --global-batch-size (see meshrun plan --help)", EXIT_USAGE)
+    if model is not None or preset is not None:
+        m = dict(body.get("model") or {})
+        if model is not None:
+            m["name"] = model
+        if preset is not None:
+            m["preset"] = preset
+        body["model"] = m
+    cluster = dict(body.get("cluster") or {})
+    for k, v in (("device", device), ("gpus_per_node", gpus_per_node), ("nodes", nodes)):
+        if v is not None:
+            cluster[k] = v
+    if cluster:
+        body["cluster"] = cluster
+    if "global_batch_size" not in body and global_batch_size is None:
+        _fail("--global-batch-size is required (sequences per optimizer step)", EXIT_USAGE, param="global_batch_size")
+    for k, v in (
+        ("global_batch_size", global_batch_size),
+        ("seq_len", seq_len),
+        ("precision", precision),
+        ("micro_batch_size", micro_batch_size),
+        ("top_k", top_k),
+    ):
+        if v is not None:
+            body[k] = v
+    if layout is not None:
+        body["layout"] = _usage(lambda: parse_layout(layout))
+    resp = _state(ctx).client().plans.create(body)
+    if as_json:
+        emit_json(resp)
+        return
+    out().print(plan_table(resp, show_rejected=show_rejected))
+    if not resp.candidates:
+        err().print("[yellow]no feasible layout; see --rejected for why[/]")
+
+
+# ------------------------------------------------------------------------------------------ local tools
+@command(app, "validate")
+def validate(
+    file: Path = typer.Argument(..., help="Run spec (YAML/JSON)."),
+    set_: list[str] = typer.Option([], "--set", help="Override a field: key=value."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Check a run spec locally (no service needed) and print the resolved plan."""
+    import pydantic
+
+    from api.spec.validation import SpecError, build_plan
+    from api.spec.yamlio import parse_run_spec
+
+    body = _usage(lambda: apply_overrides(_load_or_usage(file), set_))
+    try:
+        # the server's parse of a JSON body (what `meshrun submit` sends): valid here means accepted there
+        spec = parse_run_spec(body)
+    except pydantic.ValidationError as e:
+        first = e.errors()[0]
+        _fail(f"{first['msg']}", EXIT_INVALID, param=".".join(str(p) for p in first["loc"]))
+    except (TypeError, ValueError) as e:  # data JSON cannot carry (a YAML date, NaN)
+        _fail(f"{file}: {e}; quote such values", EXIT_INVALID)
+    try:
+        p = build_plan(spec)
+    except SpecError as e:
+        for issue in e.issues[1:]:
+            err().print(f"[red]error: {_escape(issue.message)}  (field: {issue.param})[/]")
+        _fail(e.issues[0].message, EXIT_INVALID, param=e.issues[0].param)
+    if as_json:
+        emit_json(p)
+        return
+    out().print(
+        f"[green]valid[/] {spec.name}: {layout_str(spec.layout)}  world {p.world_size}, "
+        f"{p.model.n_params:,} params, {p.microbatches_per_step} micro-batches/step, "
+        f"{p.tokens_per_step:,} tokens/step"
+    )
+    for w in p.warnings:
+        err().print(f"[yellow]warning:[/] {_escape(w)}")

@@ -1,0 +1,397 @@
+"""Run commands: ``submit``, ``runs``, ``show``, ``metrics``, ``events``, ``checkpoints``, ``logs``, ``cancel``,
+``resume``."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from api.cli._common import (
+    EXIT_CANCELLED,
+    EXIT_CONFLICT,
+    EXIT_OK,
+    EXIT_RUN_FAILED,
+    EXIT_USAGE,
+    _escape,
+    _fail,
+    _gib,
+    _load_or_usage,
+    _num,
+    _pct,
+    _rate,
+    _state,
+    _status,
+    _ts,
+    _usage,
+    app,
+    command,
+    emit_json,
+    err,
+    out,
+)
+from api.sdk import (
+    MeshrunError,
+    RunStatus,
+    layout_str,
+    parse_layout,
+)
+from api.sdk._specs import apply_overrides
+
+
+def _peak_from_metrics(run: Any) -> int | None:
+    try:
+        rows = run.metrics()
+    except (MeshrunError, AttributeError):
+        return None
+    peaks = [r.peak_memory_bytes for r in rows if r.peak_memory_bytes]
+    return max(peaks) if peaks else None
+
+
+def console_link(client: Any, run_id: str) -> str:
+    """The run's page in the web console of the service this client talks to."""
+    return f"{client.base_url}/runs/{run_id}"
+
+
+def print_summary(run: Any, console: Console | None = None) -> None:
+    """The end-of-run summary: status, steps, final loss, tokens/s, MFU, peak memory, console and dashboard URLs."""
+    c = console or out()
+    s = run.summary
+    t = Table(show_header=False, box=None, pad_edge=False)
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("run", f"{run.id} ({run.name})")
+    t.add_row("status", _status(run.status) + (f"  {_escape(run.status_reason)}" if run.status_reason else ""))
+    t.add_row("layout", layout_str(run.spec.layout) + (f"  world {run.plan.world_size}" if run.plan else ""))
+    if s is not None:
+        t.add_row("steps", f"{s.steps_done}/{run.spec.train.steps}")
+        t.add_row("final loss", _num(s.final_loss))
+        t.add_row("tokens/s", _rate(s.mean_tokens_per_s))
+        t.add_row("MFU", _pct(s.mean_mfu))
+        if s.peak_memory_bytes_per_rank:
+            peak = max(s.peak_memory_bytes_per_rank.values())
+            t.add_row("peak memory", f"{_gib(peak)} GiB (max over {len(s.peak_memory_bytes_per_rank)} ranks)")
+        elif (peak := _peak_from_metrics(run)) is not None:
+            t.add_row("peak memory", f"{_gib(peak)} GiB (max over ranks)")
+        if s.wall_time_s is not None:
+            t.add_row("wall time", f"{s.wall_time_s:.1f} s")
+    client = getattr(run, "_client", None)
+    if client is not None and getattr(client, "base_url", None):
+        t.add_row("console", console_link(client, run.id))
+    if run.dashboard_url:
+        t.add_row("ray job", run.dashboard_url)
+    c.print(t)
+
+
+def _exit_for_run(run: Any) -> int:
+    v = RunStatus(run.status).value
+    return {"SUCCEEDED": EXIT_OK, "FAILED": EXIT_RUN_FAILED, "CANCELLED": EXIT_CANCELLED}.get(v, EXIT_OK)
+
+
+# ------------------------------------------------------------------------------------------------ runs
+@command(app, "submit")
+def submit(
+    ctx: typer.Context,
+    file: Optional[Path] = typer.Argument(None, help="Run spec (YAML/JSON)."),
+    set_: list[str] = typer.Option([], "--set", help="Override a field: key.sub=value (repeatable)."),
+    name: Optional[str] = typer.Option(None, help="Run name (overrides the spec's)."),
+    from_sweep: Optional[str] = typer.Option(
+        None, "--from-sweep", help="Use this sweep's best layout and micro-batch (base spec = the sweep's)."
+    ),
+    wait: bool = typer.Option(False, "--wait", "-w", help="Wait for the run to finish; exit code = outcome."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Live progress bar with --wait."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", help="With --wait: give up after this many seconds."),
+    idempotency_key: Optional[str] = typer.Option(None, help="Re-submitting with the same key returns the same run."),
+    as_json: bool = typer.Option(False, "--json", help="Print the run as JSON (only JSON on stdout)."),
+) -> None:
+    """Submit a run spec. With --wait, show live progress and the summary; exit 0 only if it SUCCEEDED."""
+    st = _state(ctx)
+    client = st.client()
+    if file is None and from_sweep is None:
+        _fail("give a spec FILE or --from-sweep SWEEP_ID", EXIT_USAGE)
+    body: dict[str, Any] = _load_or_usage(file) if file is not None else {}
+    if from_sweep is not None:
+        sweep = client.sweeps.get(from_sweep)
+        try:
+            best = sweep.best_run_spec()
+        except ValueError as e:
+            _fail(str(e), EXIT_CONFLICT, param="from_sweep")
+        if body:
+            body["layout"] = best.layout.model_dump(mode="json")
+            body.setdefault("batch", {})["micro_batch_size"] = best.batch.micro_batch_size
+        else:
+            body = best.model_dump(mode="json")
+            body["name"] = f"{best.name}-best"[:128]
+    body = _usage(lambda: apply_overrides(body, set_))
+    if name:
+        body["name"] = name
+    run = client.runs.create(body, idempotency_key=idempotency_key)
+    if not wait:
+        if as_json:
+            emit_json(run)
+        else:
+            out().print(
+                f"submitted [bold]{run.id}[/] ({run.name}) {_status(run.status)}  {layout_str(run.spec.layout)}"
+            )
+            for w in run.plan.warnings if run.plan else []:
+                err().print(f"[yellow]warning:[/] {_escape(w)}")
+            out().print(f"console: {console_link(client, run.id)}")
+            err().print(f"follow it with: meshrun show {run.id} | meshrun logs {run.id} --follow")
+        return
+    if not as_json:
+        err().print(f"submitted [bold]{run.id}[/] ({run.name}) {layout_str(run.spec.layout)}")
+        err().print(f"console: {console_link(client, run.id)}")
+    try:
+        run = client.runs.wait(run.id, progress=err() if (progress and not as_json) else False, timeout=timeout)
+    except KeyboardInterrupt:
+        err().print(f"[yellow]stopped waiting; run {run.id} goes on[/] (meshrun cancel {run.id} stops it)")
+        raise typer.Exit(130) from None
+    if as_json:
+        emit_json(run)
+    else:
+        print_summary(run)
+    raise typer.Exit(_exit_for_run(run))
+
+
+@command(app, "runs")
+def runs(
+    ctx: typer.Context,
+    status: Optional[list[str]] = typer.Option(None, "--status", "-s", help="Filter by status (repeatable)."),
+    name: Optional[str] = typer.Option(None, help="Filter by exact name."),
+    sweep: Optional[str] = typer.Option(None, "--sweep", help="Runs of this sweep."),
+    limit: int = typer.Option(20, min=1, max=500),
+    offset: int = typer.Option(0, min=0),
+    cursor: Optional[str] = typer.Option(None, help="Continue after a page (the cursor the previous page printed)."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """List runs, newest first, one page at a time."""
+    page = (
+        _state(ctx)
+        .client()
+        .runs.list(status=status or None, name=name, sweep_id=sweep, limit=limit, offset=offset, cursor=cursor)
+    )
+    if as_json:
+        emit_json(page)
+        return
+    total = "?" if page.total is None else f"{page.total}{'' if page.total_exact else '+'}"
+    first = page.offset + 1 if page.items else 0
+    t = Table(title=f"runs {first}-{page.offset + len(page.items)} of {total}" if not cursor else "runs")
+    for col in ("id", "name", "status", "layout", "steps", "loss", "tok/s", "created"):
+        t.add_column(
+            col, justify="right" if col in ("steps", "loss", "tok/s") else "left", no_wrap=col in ("id", "status")
+        )
+    for r in page.items:
+        s = r.summary
+        t.add_row(
+            r.id,
+            r.name,
+            _status(r.status),
+            layout_str(r.spec.layout),
+            f"{s.steps_done if s else '-'}/{r.spec.train.steps}",
+            _num(s.final_loss if s else None),
+            _rate(s.mean_tokens_per_s if s else None),
+            _ts(r.created_at, short=True),
+        )
+    out().print(t)
+    if page.next_cursor:
+        err().print(f"more: meshrun runs --limit {limit} --cursor {page.next_cursor}")
+
+
+@command(app, "show")
+def show(
+    ctx: typer.Context, run_id: str = typer.Argument(..., metavar="ID"), as_json: bool = typer.Option(False, "--json")
+) -> None:
+    """Details of one run: status, layout, plan, prediction, summary."""
+    run = _state(ctx).client().runs.get(run_id)
+    if as_json:
+        emit_json(run)
+        return
+    c = out()
+    print_summary(run, c)
+    t = Table(show_header=False, box=None, pad_edge=False)
+    t.add_column(style="bold")
+    t.add_column()
+    m = run.spec.model
+    t.add_row("model", f"{m.name}/{m.preset}" + (f"  {run.plan.model.n_params:,} params" if run.plan else ""))
+    t.add_row("batch", f"global {run.spec.batch.global_batch_size}, micro {run.spec.batch.micro_batch_size}")
+    t.add_row("attempts", str(run.attempts))
+    if run.plan and run.plan.predicted:
+        p = run.plan.predicted
+        t.add_row(
+            "predicted",
+            f"{_gib(p.memory_bytes.total)} GiB/rank, {p.step_time_s.total:.3f} s/step, {_rate(p.tokens_per_s)} tok/s",
+        )
+    for w in run.plan.warnings if run.plan else []:
+        t.add_row("warning", f"[yellow]{_escape(w)}[/]")
+    t.add_row("created", _ts(run.created_at))
+    t.add_row("started", _ts(run.started_at))
+    t.add_row("finished", _ts(run.finished_at))
+    if run.ray_job_id:
+        t.add_row("ray job id", run.ray_job_id)
+    c.print(t)
+
+
+@command(app, "metrics")
+def metrics(
+    ctx: typer.Context,
+    run_id: str = typer.Argument(..., metavar="ID"),
+    since_step: int = typer.Option(0, min=0, help="Only steps after this one."),
+    attempt: Optional[int] = typer.Option(None, min=1, help="Rows of one attempt (default: latest per step)."),
+    tail: Optional[int] = typer.Option(None, min=1, help="Show only the last N rows."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Per-step metrics of a run."""
+    rows = _state(ctx).client().runs.metrics(run_id, since_step=since_step, attempt=attempt)
+    if tail:
+        rows = rows[-tail:]
+    if as_json:
+        emit_json(rows)
+        return
+    t = Table(title=f"metrics of {run_id}")
+    for col in ("step", "attempt", "loss", "tok/s", "step s", "MFU", "peak GiB", "comm", "grad norm", "lr"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(
+            str(r.step),
+            str(r.attempt),
+            _num(r.loss),
+            _rate(r.tokens_per_s),
+            _num(r.step_time_s, ".3f"),
+            _pct(r.mfu),
+            _gib(r.peak_memory_bytes),
+            _pct(r.comm_fraction),
+            _num(r.grad_norm, ".3f"),
+            _num(r.lr, ".2e"),
+        )
+    out().print(t)
+
+
+@command(app, "events")
+def events(
+    ctx: typer.Context, run_id: str = typer.Argument(..., metavar="ID"), as_json: bool = typer.Option(False, "--json")
+) -> None:
+    """State changes and other events of a run."""
+    items = _state(ctx).client().runs.events(run_id)
+    if as_json:
+        emit_json(items)
+        return
+    t = Table(title=f"events of {run_id}")
+    for col in ("time", "kind", "transition", "reason", "actor"):
+        t.add_column(col)
+    for e in items:
+        tr = f"{e.from_status or ''} -> {e.to_status}" if e.to_status else ""
+        t.add_row(_ts(e.time), e.kind, tr, _escape(e.reason or ""), e.actor or "")
+    out().print(t)
+
+
+@command(app, "checkpoints")
+def checkpoints(
+    ctx: typer.Context, run_id: str = typer.Argument(..., metavar="ID"), as_json: bool = typer.Option(False, "--json")
+) -> None:
+    """Checkpoints written by a run."""
+    items = _state(ctx).client().runs.checkpoints(run_id)
+    if as_json:
+        emit_json(items)
+        return
+    t = Table(title=f"checkpoints of {run_id}")
+    for col in ("attempt", "step", "size", "path", "created"):
+        t.add_column(col)
+    for ck in items:
+        size = "-" if ck.size_bytes is None else f"{ck.size_bytes / 2**20:.1f} MiB"
+        t.add_row(str(ck.attempt), str(ck.step), size, ck.path, _ts(ck.created_at))
+    out().print(t)
+
+
+@command(app, "logs")
+def logs(
+    ctx: typer.Context,
+    run_id: str = typer.Argument(..., metavar="ID"),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new output until the run ends."),
+    interval: float = typer.Option(1.0, min=0.1, help="Seconds between polls with --follow."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Driver and worker output of a run (from Ray)."""
+    client = _state(ctx).client()
+    if as_json:
+        emit_json({"run_id": run_id, "logs": client.runs.logs(run_id)})
+        return
+    cursor: str | None = None
+
+    def drain() -> None:
+        # every page from the cursor on (the output written so far), then remember where it ended
+        nonlocal cursor
+        while True:
+            page = client.runs.logs_page(run_id, cursor=cursor)
+            sys.stdout.write(page.logs)
+            sys.stdout.flush()
+            cursor = page.next_cursor or cursor
+            if not page.has_more or not page.logs:
+                return
+
+    drain()
+    if not follow:
+        return
+    try:
+        while True:
+            done = client.runs.get(run_id).done
+            time.sleep(0 if done else interval)
+            drain()
+            if done:
+                return
+    except KeyboardInterrupt:
+        return
+
+
+@command(app, "cancel")
+def cancel(
+    ctx: typer.Context, run_id: str = typer.Argument(..., metavar="ID"), as_json: bool = typer.Option(False, "--json")
+) -> None:
+    """Cancel a queued or running run."""
+    run = _state(ctx).client().runs.cancel(run_id)
+    if as_json:
+        emit_json(run)
+    else:
+        out().print(
+            f"{run.id} {_status(run.status)}" + (f"  {_escape(run.status_reason)}" if run.status_reason else "")
+        )
+
+
+@command(app, "resume")
+def resume(
+    ctx: typer.Context,
+    run_id: str = typer.Argument(..., metavar="ID"),
+    layout: Optional[str] = typer.Option(None, "--layout", help='New layout, e.g. "dp=2,tp=1" (resharded).'),
+    from_file: Optional[Path] = typer.Option(
+        None, "--from-file", help="YAML with layout/batch/steps (or a run spec: its layout, batch, train.steps)."
+    ),
+    steps: Optional[int] = typer.Option(None, min=1, help="New total step count."),
+    wait: bool = typer.Option(False, "--wait", "-w"),
+    progress: bool = typer.Option(True, "--progress/--no-progress"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Resume a stopped run from its latest checkpoint, optionally on another layout."""
+    client = _state(ctx).client()
+    new_layout: Any = None
+    batch: Any = None
+    if from_file is not None:
+        data = _load_or_usage(from_file)
+        new_layout, batch = data.get("layout"), data.get("batch")
+        steps = steps or data.get("steps") or (data.get("train") or {}).get("steps")
+    if layout is not None:
+        new_layout = _usage(lambda: parse_layout(layout))
+    run = client.runs.resume(run_id, layout=new_layout, batch=batch, steps=steps)
+    if wait:
+        run = client.runs.wait(run.id, progress=err() if (progress and not as_json) else False)
+    if as_json:
+        emit_json(run)
+    elif wait:
+        print_summary(run)
+    else:
+        out().print(f"resumed {run.id} {_status(run.status)}  {layout_str(run.spec.layout)}")
+    if wait:
+        raise typer.Exit(_exit_for_run(run))

@@ -1,0 +1,134 @@
+"""What the API returns about runs, events, checkpoints, logs and the cluster (response models)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import Enum
+
+from pydantic import Field
+
+from api.spec._base import _Public
+from api.spec.plan import Plan
+from api.spec.run import RunSpec
+
+
+class RunStatus(str, Enum):
+    QUEUED = "QUEUED"
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED)
+
+
+TERMINAL_STATUSES = frozenset({RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED})
+
+
+class RunSummary(_Public):
+    steps_done: int = 0
+    final_loss: float | None = None
+    mean_tokens_per_s: float | None = None
+    mean_mfu: float | None = None
+    peak_memory_bytes: int | None = Field(None, description="Max over ranks and steps.")
+    peak_memory_bytes_per_rank: dict[str, int] = Field(default_factory=dict)
+    wall_time_s: float | None = None
+
+
+class RunPublic(_Public):
+    id: str
+    name: str
+    project: str
+    status: RunStatus
+    status_reason: str | None = None
+    priority: int = 0
+    spec: RunSpec
+    plan: Plan | None = None
+    attempts: int = 0
+    sweep_id: str | None = None
+    ray_job_id: str | None = None
+    dashboard_url: str | None = None
+    rank_nodes: dict[str, str] | None = Field(None, description="world rank -> Ray node id")
+    summary: RunSummary | None = None
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+
+NEXT_CURSOR_DOC = "Pass as ``cursor`` to get the next page; null on the last page."
+TOTAL_DOC = "Matching items, counted up to 1,000 (``total_exact`` false beyond: there are more)."
+
+
+class RunList(_Public):
+    items: list[RunPublic]
+    total: int | None = Field(None, description=TOTAL_DOC)
+    total_exact: bool = True
+    limit: int
+    offset: int = 0
+    next_cursor: str | None = Field(None, description=NEXT_CURSOR_DOC)
+
+
+class EventPublic(_Public):
+    id: int
+    run_id: str
+    time: datetime
+    kind: str = "state"
+    from_status: str | None = None
+    to_status: str | None = None
+    reason: str | None = None
+    actor: str | None = None
+
+
+class EventList(_Public):
+    run_id: str
+    items: list[EventPublic]
+    next_cursor: str | None = Field(None, description=NEXT_CURSOR_DOC)
+
+
+class CheckpointPublic(_Public):
+    run_id: str
+    attempt: int
+    step: int
+    path: str
+    size_bytes: int | None = None
+    created_at: datetime
+
+
+class CheckpointList(_Public):
+    run_id: str
+    items: list[CheckpointPublic]
+    next_cursor: str | None = Field(None, description=NEXT_CURSOR_DOC)
+
+
+class LogsPublic(_Public):
+    run_id: str
+    logs: str
+    offset: int = Field(0, description="Character offset of ``logs`` in the run's whole output.")
+    total_chars: int | None = Field(None, description="Length of the run's whole output now.")
+    has_more: bool = Field(False, description="More output after this page exists already.")
+    next_cursor: str | None = Field(
+        None, description="Where the next page starts (also to follow new output); pass as ``cursor``."
+    )
+
+
+class NodePublic(_Public):
+    node_id: str
+    alive: bool
+    address: str | None = None
+    cpus: float = 0
+    gpus: float = 0
+    memory_bytes: int | None = None
+
+
+class ClusterPublic(_Public):
+    address: str | None = None
+    dashboard_url: str | None = None
+    nodes: list[NodePublic] = Field(default_factory=list)
+    cpus_total: float = 0
+    cpus_free: float = 0
+    gpus_total: float = 0
+    gpus_free: float = 0

@@ -1,0 +1,260 @@
+"""What the user asks for: ``RunSpec`` and its parts. Field-level bounds live here; cross-field rules (does tp
+divide the heads, does the batch divide, ...) live in ``api.spec.validation`` so every rule names its field."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from api.spec._base import (
+    ENTRYPOINT_RE,
+    MAX_BATCH,
+    MAX_D_MODEL,
+    MAX_HEADS,
+    MAX_LAYERS,
+    MAX_SEQ_LEN,
+    MAX_STEPS,
+    MAX_VOCAB,
+    MAX_WORLD_SIZE,
+    NAME_RE,
+    _Spec,
+)
+
+
+class ModelSpec(_Spec):
+    """Which model to train. A built-in (``name`` + ``preset``, optionally overriding sizes) or user code
+    (``entrypoint: "pkg.module:function"`` returning a ``torch.nn.Module``)."""
+
+    name: str = Field("gpt", description="Built-in model family: 'gpt' or 'mlp'; 'custom' with an entrypoint.")
+    preset: str | None = Field("tiny", description="Preset of the family (see api.presets); null = give all sizes.")
+    n_layers: int | None = Field(None, ge=1, le=MAX_LAYERS)
+    d_model: int | None = Field(None, ge=1, le=MAX_D_MODEL)
+    n_heads: int | None = Field(None, ge=1, le=MAX_HEADS)
+    vocab_size: int | None = Field(None, ge=2, le=MAX_VOCAB)
+    seq_len: int | None = Field(None, ge=1, le=MAX_SEQ_LEN)
+    d_ff: int | None = Field(None, ge=1, le=4 * MAX_D_MODEL)
+    # user models (bring your own model)
+    entrypoint: str | None = Field(None, description="'package.module:function' returning a torch.nn.Module.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the entrypoint.")
+    tp_plan: dict[str, Literal["colwise", "rowwise", "sequence_parallel", "vocab_parallel"]] | None = Field(
+        None, description="Tensor-parallel plan: module-name pattern (fnmatch) -> style."
+    )
+    pp_split_points: list[str] | None = Field(
+        None, description="Module names where pipeline stages begin (the first stage starts at the top)."
+    )
+    block_classes: list[str] | None = Field(
+        None, description="Class names of the repeated blocks (FSDP units, checkpointing); found if omitted."
+    )
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _entrypoint_shape(cls, v: str | None) -> str | None:
+        if v is not None and not ENTRYPOINT_RE.match(v):
+            raise ValueError("entrypoint must look like 'package.module:function' (identifiers only)")
+        return v
+
+
+class DataSpec(_Spec):
+    """Where training tokens come from."""
+
+    source: Literal["synthetic", "text", "tokens", "custom"] = Field(
+        "synthetic",
+        description="synthetic | text (byte-level over files; no path = built-in corpus) | "
+        "tokens (directory of .bin token files) | custom (entrypoint)",
+    )
+    path: str | None = Field(None, max_length=4096, description="File or directory for text/tokens.")
+    entrypoint: str | None = Field(None, description="'package.module:function' returning a map-style dataset.")
+    args: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _entrypoint_shape(cls, v: str | None) -> str | None:
+        if v is not None and not ENTRYPOINT_RE.match(v):
+            raise ValueError("entrypoint must look like 'package.module:function' (identifiers only)")
+        return v
+
+
+class CodeSpec(_Spec):
+    """Where user code (model/data entrypoints) comes from. The directory is shipped to every Ray worker through
+    the run's Ray runtime environment (``working_dir``, or ``py_modules`` when meshrun itself is shipped as the
+    working dir) and put on ``sys.path`` by the standalone launcher (``python -m workers --code-dir``)."""
+
+    working_dir: str | None = Field(
+        None,
+        max_length=4096,
+        description="Directory holding the user's packages (e.g. my_pkg/). Absolute (under "
+        "the service's allowed roots when auth is on) or relative to the "
+        "service's data_dir.",
+    )
+
+    @field_validator("working_dir")
+    @classmethod
+    def _path_shape(cls, v: str | None) -> str | None:
+        if v is not None:
+            if any(ord(c) < 32 or ord(c) == 127 for c in v):
+                raise ValueError("code.working_dir contains control characters (NUL, newline, ...); remove them")
+            if not v.strip():
+                raise ValueError("code.working_dir is empty; give a directory or remove the field")
+            if "://" in v:
+                raise ValueError("code.working_dir must be a local directory path, not a URL")
+        return v
+
+
+PPSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv"]
+
+
+class Layout(_Spec):
+    """Parallelism layout. world size = dp x tp x pp; ranks ordered pp (outer), dp, tp (inner)."""
+
+    dp: int = Field(1, ge=1, le=MAX_WORLD_SIZE, description="Data-parallel degree.")
+    tp: int = Field(1, ge=1, le=MAX_WORLD_SIZE, description="Tensor-parallel degree (one node).")
+    pp: int = Field(1, ge=1, le=MAX_WORLD_SIZE, description="Pipeline stages.")
+    zero_stage: int = Field(0, ge=0, le=3, description="0 DDP, 1 sharded optimizer, 2 + grads, 3 FSDP full shard.")
+    shard_group_size: int | None = Field(
+        None, ge=1, le=MAX_WORLD_SIZE, description="HSDP: shard within groups of this size, replicate across."
+    )
+    sequence_parallel: bool = False
+    pp_schedule: PPSchedule = "1f1b"
+    pp_virtual_stages: int = Field(1, ge=1, le=64, description="Model chunks per pipeline rank (interleaved).")
+    grad_compression: Literal["none", "fp16", "bf16", "powersgd"] = Field(
+        "none", description="DDP gradient compression hook (zero_stage 0 only)."
+    )
+    cpu_offload: bool = Field(False, description="Offload parameters/optimizer to CPU (zero_stage 3 only).")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+class BatchSpec(_Spec):
+    global_batch_size: int = Field(16, ge=1, le=MAX_BATCH, description="Sequences per optimizer step.")
+    micro_batch_size: int = Field(2, ge=1, le=MAX_BATCH, description="Sequences per forward/backward.")
+
+
+class OptimizerSpec(_Spec):
+    name: Literal["adamw"] = "adamw"
+    lr: float = Field(3.0e-4, gt=0, le=10.0)
+    weight_decay: float = Field(0.1, ge=0, le=10.0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = Field(10, ge=0, le=MAX_STEPS)
+    schedule: Literal["cosine", "constant", "linear"] = "cosine"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    grad_clip: float | None = Field(1.0, gt=0, description="Max global grad norm; null disables clipping.")
+
+
+class TrainSpec(_Spec):
+    steps: int = Field(50, ge=1, le=MAX_STEPS)
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    deterministic: bool = Field(False, description="Deterministic algorithms (bitwise-reproducible resumes).")
+
+
+class CheckpointSpec(_Spec):
+    every_steps: int = Field(0, ge=0, le=MAX_STEPS, description="0 = no periodic checkpoints.")
+    keep: int = Field(2, ge=1, le=1000)
+    storage: str | None = Field(
+        None, max_length=4096, description="Directory or fsspec URL; default: the service's data dir."
+    )
+
+
+class MetricsSpec(_Spec):
+    """How the workers measure and report. Ranks keep their per-step measurements locally and combine them
+    in one small collective per report interval (never per step); rank 0 then sends that interval's rows."""
+
+    report_every_s: float = Field(
+        1.0,
+        ge=0,
+        le=3600,
+        description="Target seconds between reports (the ranks' one combining collective); the number of "
+        "steps per report follows from the measured step time. 0 = report after every step.",
+    )
+    max_steps_per_report: int = Field(
+        100, ge=1, le=100_000, description="At most this many steps between two reports (also bounds stop latency)."
+    )
+    breakdown_every_steps: int = Field(
+        1,
+        ge=0,
+        le=MAX_STEPS,
+        description="Measure the step-time breakdown (compute, tp/pp/dp communication total and exposed, pipeline "
+        "bubble, optimizer, data wait, other; per rank) on every N-th step. 1 = every step, 0 = off.",
+    )
+
+
+class ProfileSpec(_Spec):
+    """torch.profiler over a window of steps on every rank (Chrome-trace JSON per rank, plus the measured
+    pipeline timeline for pp > 1)."""
+
+    start_step: int = Field(ge=1, le=MAX_STEPS, description="First profiled step (1-based).")
+    steps: int = Field(3, ge=1, le=100, description="Number of profiled steps.")
+
+
+class SlowRankFault(_Spec):
+    rank: int = Field(ge=0, lt=MAX_WORLD_SIZE, description="Global rank to slow down.")
+    delay_s: float = Field(gt=0, le=3600, description="Seconds added to this rank's compute in every step.")
+
+
+class StepFault(_Spec):
+    rank: int = Field(ge=0, lt=MAX_WORLD_SIZE, description="Global rank the fault hits.")
+    at_step: int = Field(ge=1, le=MAX_STEPS, description="Step (1-based) at which it hits (first attempt only).")
+
+
+class FaultsSpec(_Spec):
+    """Chaos testing: injected faults (the service allows them for admins or with MESHRUN_ALLOW_FAULTS).
+    ``hang_rank`` and ``kill_rank`` fire in the first attempt only, so a recovered run can finish."""
+
+    slow_rank: SlowRankFault | None = Field(None, description="Add delay_s of compute to one rank every step.")
+    hang_rank: StepFault | None = Field(None, description="The rank stops making progress at at_step (in compute).")
+    kill_rank: StepFault | None = Field(None, description="The rank's process is killed (SIGKILL) at at_step.")
+
+
+class ResourcesSpec(_Spec):
+    device: Literal["auto", "cpu", "gpu"] = "auto"
+    cpus_per_worker: float = Field(1, gt=0, le=1024)
+    max_failures: int = Field(0, ge=-1, le=1000, description="Worker-group restarts allowed (-1: unlimited).")
+    priority: int = Field(0, ge=-1000, le=1000, description="Higher runs first; FIFO within a priority.")
+
+
+class RunSpec(_Spec):
+    """A training run as the user asks for it."""
+
+    name: str = Field("run", description="Human name; letters, digits, '.', '_', '-'.")
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    data: DataSpec = Field(default_factory=DataSpec)
+    layout: Layout = Field(default_factory=Layout)
+    batch: BatchSpec = Field(default_factory=BatchSpec)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    compile: bool = Field(
+        False,
+        description="torch.compile each transformer block (in place, after TP and activation checkpointing, before "
+        "FSDP/DDP). Pays off on GPUs for element-wise-heavy blocks; the first steps include compile time.",
+    )
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    metrics: MetricsSpec = Field(default_factory=MetricsSpec)
+    profile: ProfileSpec | None = Field(None, description="Profile a window of steps on every rank; null = off.")
+    faults: FaultsSpec | None = Field(None, description="Injected faults for chaos tests; null = none.")
+    skip_memory_check: bool = Field(False, description="Submit even if the planner predicts it will not fit.")
+    labels: dict[str, str] = Field(default_factory=dict)
+    code: CodeSpec | None = Field(
+        None,
+        description="User code directory for model/data entrypoints (shipped to "
+        "the workers); omit when the code is installed on the cluster.",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name_shape(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError(
+                "name must be 1-128 characters of letters, digits, '.', '_' or '-', starting with a letter or digit"
+            )
+        return v
+
+
+class ResumeRequest(_Spec):
+    layout: Layout | None = Field(None, description="New layout; the checkpoint is resharded on load.")
+    batch: BatchSpec | None = None
+    steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="New total step count.")

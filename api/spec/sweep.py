@@ -1,0 +1,90 @@
+"""Layout sweeps: the request (``SweepCreate``) and what the API returns (sweeps and their trials)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import Field
+
+from api.spec._base import _Public, _Spec
+from api.spec.run import Layout, RunSpec
+
+
+class SweepSearch(_Spec):
+    layouts: list[Layout] | Literal["auto"] = "auto"
+    micro_batch_sizes: list[int] | None = Field(None, description="Default: the base spec's micro-batch.")
+
+
+class SweepBudget(_Spec):
+    max_trials: int = Field(8, ge=1, le=256)
+    steps_per_trial: int = Field(10, ge=2, le=100_000)
+    warmup_steps: int = Field(2, ge=0, le=100_000, description="Steps excluded from the measurement.")
+    max_concurrent_trials: int = Field(1, ge=1, le=64)
+
+
+class SweepCreate(_Spec):
+    name: str = "sweep"
+    base: RunSpec
+    search: SweepSearch = Field(default_factory=SweepSearch)
+    objective: Literal["tokens_per_s", "mfu"] = "tokens_per_s"
+    budget: SweepBudget = Field(default_factory=SweepBudget)
+    early_stopping: bool = True
+
+
+class TrialPublic(_Public):
+    id: int
+    run_id: str | None = None
+    layout: Layout
+    micro_batch_size: int
+    status: str
+    reason: str | None = None
+    predicted_tokens_per_s: float | None = None
+    measured_tokens_per_s: float | None = None
+    measured_mfu: float | None = None
+    peak_memory_bytes: int | None = None
+
+
+class SweepPublic(_Public):
+    id: str
+    name: str
+    project: str
+    status: str
+    status_reason: str | None = None
+    objective: str
+    spec: SweepCreate
+    trials: list[TrialPublic] = Field(default_factory=list)
+    best_trial: TrialPublic | None = None
+    calibration: dict[str, Any] | None = None
+    ray_job_id: str | None = None
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None = None
+
+
+class SweepList(_Public):
+    items: list[SweepPublic]
+    total: int | None = Field(None, description="Matching sweeps, counted up to 1,000 (``total_exact``).")
+    total_exact: bool = True
+    limit: int
+    offset: int = 0
+    next_cursor: str | None = Field(None, description="Pass as ``cursor`` for the next page; null on the last.")
+
+
+class SweepEventPublic(_Public):
+    """A state change of the sweep (``trial_id`` None) or of one of its trials, or another recorded event."""
+
+    id: int
+    sweep_id: str
+    trial_id: int | None = None
+    time: datetime
+    kind: str = "state"
+    from_status: str | None = None
+    to_status: str | None = None
+    reason: str | None = None
+    actor: str | None = None
+
+
+class SweepEventList(_Public):
+    sweep_id: str
+    items: list[SweepEventPublic]

@@ -1,0 +1,55 @@
+"""The one way meshrun reads run specs: YAML with YAML-1.2 numbers, and one RunSpec parse for every entry point.
+
+PyYAML implements YAML 1.1, where ``3e-4`` and ``1e3`` (no dot) are *strings*; YAML 1.2 and every JSON/Python
+reader take them as floats. ``load_yaml`` adds the YAML-1.2 float forms to the safe loader, so a spec file, a
+``--set optimizer.lr=1e-3`` override and a YAML request body all read ``3e-4`` as the number 0.0003.
+
+``parse_run_spec(data)`` is the server's validation of a JSON body (strict: programs send proper types, ``true``
+is not ``1`` and ``"3"`` is not 3). The SDK always sends JSON, so ``meshrun validate`` uses the same function
+and accepts exactly what ``meshrun submit`` will get accepted.
+
+Importing this module needs only PyYAML (pydantic and api.spec are imported when a spec is parsed).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+if TYPE_CHECKING:
+    from api.spec.run import RunSpec
+
+__all__ = ["YAMLError", "Yaml12SafeLoader", "load_yaml", "parse_run_spec"]
+
+YAMLError = yaml.YAMLError
+
+# YAML 1.2 core-schema floats that YAML 1.1 leaves as strings: an exponent without a dot ("3e-4", "1E+3", "-2e5")
+# and a dot with an exponent but no fraction digits ("1.e3" is already a 1.1 float). Plain integers and the
+# forms 1.1 already reads as floats ("0.1", ".5", "1.5e-3", ".inf", ".nan") are left to the existing resolvers.
+_YAML12_EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$")
+
+_SafeBase: type = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the C parser when libyaml is there (fast)
+
+
+class Yaml12SafeLoader(_SafeBase):
+    """PyYAML's safe loader (plain data only) that also reads YAML-1.2 exponent floats such as ``3e-4``."""
+
+
+Yaml12SafeLoader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_EXPONENT_FLOAT, list("-+0123456789."))
+
+
+def load_yaml(text: str | bytes) -> Any:
+    """Parse one YAML document into plain data (dict/list/str/int/float/bool/None/date). Raises
+    ``yaml.YAMLError`` (also exported as ``api.spec.yamlio.YAMLError``) for malformed input."""
+    return yaml.load(text, Loader=Yaml12SafeLoader)
+
+
+def parse_run_spec(data: Any) -> RunSpec:
+    """A RunSpec from plain JSON-able data, validated as the server validates a JSON body (strict types).
+    Raises ``pydantic.ValidationError`` naming the field (TypeError for data JSON cannot hold, e.g. a date)."""
+    from api.spec.run import RunSpec
+
+    return RunSpec.model_validate_json(json.dumps(data), strict=True)

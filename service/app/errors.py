@@ -1,0 +1,279 @@
+"""One error body for every failure: ``{"error": {"code": "...", "message": "...", "param": "layout.tp"}}``.
+
+``install_error_handlers(app)`` maps every exception the API can meet onto that shape (``api.spec.ErrorBody``):
+
+======================================  ======  =========================================================
+exception                               status  code
+======================================  ======  =========================================================
+malformed JSON / YAML body              400     ``malformed_body``
+RequestValidationError, ValidationError 422     ``invalid_value`` / ``missing_field`` / ``unknown_field``
+api.spec.SpecError                      422     its code (``invalid_spec``, ``unknown_preset``, ...)
+service.errors.MeshrunError (any)       its     its code (NotFound 404, Conflict 409, PolicyViolation
+                                                403/422, RunRefused 422, Unavailable 503, ...)
+ApiError (transport: 401/413/429/...)   its     its code
+HTTPException (404 route, 405, ...)     any     derived from the status
+sqlalchemy DataError / OperationalError 422/503 ``invalid_value`` / ``database_unavailable``
+anything else                           500     ``internal_error`` (logged with its traceback; never in the body)
+======================================  ======  =========================================================
+
+``error_responses(*statuses)`` documents them in OpenAPI (use it in ``responses=`` of routers and routes).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+from sqlalchemy.exc import DataError, OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from api import spec as schemas
+from api.spec import ErrorBody
+from api.spec.validation import SpecError
+from service.errors import MeshrunError
+
+log = logging.getLogger(__name__)
+
+MAX_SHOWN_INPUT_CHARS = 80
+
+STATUS_CODES: dict[int, str] = {
+    400: "malformed_body",
+    401: "unauthenticated",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    406: "not_acceptable",
+    409: "conflict",
+    413: "request_too_large",
+    415: "unsupported_media_type",
+    422: "invalid_value",
+    429: "rate_limited",
+    500: "internal_error",
+    503: "unavailable",
+}
+
+_DESCRIPTIONS: dict[int, str] = {
+    400: "Malformed request body (not valid JSON/YAML).",
+    401: "Missing or invalid `Authorization: Bearer <token>` (auth is on).",
+    403: "The token is not allowed to do this (e.g. run user code).",
+    404: "Not found (or belongs to another project).",
+    409: "Conflict with the resource's current state.",
+    413: "Request body larger than the service's limit.",
+    415: "Unsupported Content-Type.",
+    422: "Invalid request: `param` names the field, `message` says how to fix it.",
+    429: "Rate limit exceeded; retry after `Retry-After` seconds.",
+    500: "Internal error (logged by the service).",
+    503: "A required backend (Ray runtime) is not available.",
+}
+
+
+class ApiError(StarletteHTTPException):
+    """An error a route raises on purpose. Subclasses HTTPException so FastAPI's body parsing passes it through."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ):
+        super().__init__(status_code=status_code, detail=message, headers=dict(headers) if headers else None)
+        self.code = code or STATUS_CODES.get(status_code, "error")
+        self.message = message
+        self.param = param
+
+
+def error_body(code: str, message: str, param: str | None = None) -> dict[str, Any]:
+    return ErrorBody.model_validate({"error": {"code": code, "message": message, "param": param}}).model_dump()
+
+
+def error_response(
+    status_code: int, code: str, message: str, param: str | None = None, *, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        error_body(code, message, param), status_code=status_code, headers=dict(headers) if headers else None
+    )
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses=`` entries for these statuses, all with the ErrorBody schema."""
+    return {s: {"model": ErrorBody, "description": _DESCRIPTIONS.get(s, "Error.")} for s in statuses}
+
+
+# ------------------------------------------------------------------------------------ validation messages
+def _param(loc: Sequence[Any]) -> str | None:
+    parts = [str(p) for p in loc]
+    if parts and parts[0] in ("body", "query", "path", "header", "cookie"):
+        parts = parts[1:]
+    return ".".join(parts) or None
+
+
+def _shown(value: Any) -> str:
+    try:
+        s = repr(value)
+    except Exception:
+        return "?"
+    return s if len(s) <= MAX_SHOWN_INPUT_CHARS else s[:MAX_SHOWN_INPUT_CHARS] + "..."
+
+
+def _allowed_fields(model: type[BaseModel] | None, loc: Sequence[Any]) -> list[str] | None:
+    """Field names of the sub-model at ``loc[:-1]`` (for 'unknown field' hints)."""
+    for part in loc[:-1]:
+        if model is None:
+            return None
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return None
+        ann = field.annotation
+        candidates = [ann, *getattr(ann, "__args__", ())]
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+    return sorted(model.model_fields) if model is not None else None
+
+
+def describe_errors(
+    errors: Sequence[Mapping[str, Any]], *, model: type[BaseModel] | None = None
+) -> tuple[str, str, str | None]:
+    """(code, message, param) for pydantic errors: the first error, said so that the user knows what to do."""
+    first = errors[0]
+    loc = list(first.get("loc", ()))
+    if loc and loc[0] in ("body",):
+        loc = loc[1:]
+    param = _param(loc)
+    kind = first.get("type", "")
+    msg = str(first.get("msg", "invalid value"))
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    where = param or "request body"
+    if kind == "missing":
+        code, message = "missing_field", f"{where} is required; add it"
+    elif kind == "extra_forbidden":
+        allowed = _allowed_fields(model, loc)
+        hint = f" (allowed here: {', '.join(allowed)})" if allowed else ""
+        code, message = "unknown_field", f"unknown field '{where}'; remove it or fix its spelling{hint}"
+    else:
+        code = "invalid_value"
+        msg = msg[:1].lower() + msg[1:]
+        message = f"{where}: {msg}"
+        if "input" in first and kind not in ("model_type", "dict_type"):
+            message += f" (got {_shown(first['input'])})"
+    if len(errors) > 1:
+        others = sorted({p for p in (_param(list(e.get("loc", ()))) for e in errors[1:]) if p and p != param})
+        if others:
+            message += f"; also check: {', '.join(others[:8])}"
+    return code, message, param
+
+
+# ---------------------------------------------------------------------------------------------- handlers
+async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    if errors and errors[0].get("type") == "json_invalid":
+        ctx = errors[0].get("ctx") or {}
+        why = f" ({ctx['error']})" if ctx.get("error") else ""
+        return error_response(400, "malformed_body", f"request body is not valid JSON{why}; send a JSON object")
+    code, message, param = describe_errors(errors)
+    return error_response(422, code, message, param)
+
+
+async def _pydantic_validation(request: Request, exc: ValidationError) -> JSONResponse:
+    model = getattr(schemas, exc.title, None)
+    model = model if isinstance(model, type) and issubclass(model, BaseModel) else None
+    code, message, param = describe_errors(exc.errors(include_url=False), model=model)
+    return error_response(422, code, message, param)
+
+
+async def _spec_error(request: Request, exc: SpecError) -> JSONResponse:
+    first = exc.issues[0]
+    message = first.message
+    if len(exc.issues) > 1:
+        message += "; also: " + "; ".join(f"{i.param}: {i.message}" for i in exc.issues[1:4])
+    return error_response(422, first.code, message, first.param)
+
+
+async def _meshrun_error(request: Request, exc: MeshrunError) -> JSONResponse:
+    return error_response(exc.status_code, exc.code, exc.message, exc.param, headers=exc.headers)
+
+
+async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if isinstance(exc, ApiError):
+        return error_response(exc.status_code, exc.code, exc.message, exc.param, headers=exc.headers)
+    code = STATUS_CODES.get(exc.status_code, "error")
+    detail = exc.detail if isinstance(exc.detail, str) else "request failed"
+    if exc.status_code == 404 and detail == "Not Found":
+        detail = f"no such endpoint {request.method} {request.url.path}; see /docs for the API"
+    headers = dict(exc.headers or {})
+    if exc.status_code == 405:
+        allowed = _allowed_methods(request)
+        if allowed:
+            headers["Allow"] = ", ".join(allowed)
+        detail = (
+            f"method {request.method} is not allowed on {request.url.path}"
+            + (f"; use {', '.join(allowed)}" if allowed else "")
+            + "; see /docs for the API"
+        )
+    return error_response(exc.status_code, code, detail, headers=headers or None)
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Every documented method on this path (Starlette's own Allow names only the first matching route's)."""
+    import re
+
+    try:
+        paths = request.app.openapi().get("paths", {})
+    except Exception:
+        return []
+    path = request.url.path
+    methods: set[str] = set()
+    for template, item in paths.items():
+        pattern = "^" + re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(template)) + "$"
+        if re.match(pattern, path):
+            methods |= {
+                m.upper()
+                for m in item
+                if m.lower() in ("get", "put", "post", "delete", "patch", "head", "options", "trace")
+            }
+    return sorted(methods)
+
+
+async def _data_error(request: Request, exc: DataError) -> JSONResponse:
+    # The database refused a value the validators let through (e.g. a NUL byte): the client's fault, say so.
+    log.warning("database rejected a value on %s %s: %s", request.method, request.url.path, exc.orig)
+    return error_response(
+        422,
+        "invalid_value",
+        "a value in the request cannot be stored (control characters or out-of-range numbers); remove it",
+    )
+
+
+async def _operational_error(request: Request, exc: OperationalError) -> JSONResponse:
+    log.error("database unavailable on %s %s: %s", request.method, request.url.path, exc.orig)
+    return error_response(
+        503,
+        "database_unavailable",
+        "the run database is unavailable or busy; retry shortly",
+        headers={"Retry-After": "1"},
+    )
+
+
+async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return error_response(
+        500, "internal_error", "internal error; the service logged the details. Retry, and report it if it persists"
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _request_validation)  # type: ignore[arg-type]
+    app.add_exception_handler(ValidationError, _pydantic_validation)  # type: ignore[arg-type]
+    app.add_exception_handler(SpecError, _spec_error)  # type: ignore[arg-type]
+    app.add_exception_handler(MeshrunError, _meshrun_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_exception)  # type: ignore[arg-type]
+    app.add_exception_handler(DataError, _data_error)  # type: ignore[arg-type]
+    app.add_exception_handler(OperationalError, _operational_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _unhandled)

@@ -1,0 +1,113 @@
+"""POST /v1/plans: score one layout or rank layouts for a model on a cluster. Thin: the logic is in
+``service.planner``.
+
+A search runs off the event loop (in the threadpool), at most ``limiter.slots`` at a time: a busy planner answers 503
+with ``Retry-After`` instead of queueing without bound. Oversized searches are refused by the planner itself before
+they cost CPU (422 naming the field to pin). The response's ``calibration`` says which factors came from measured
+runs of this cluster, and when (``service.store.calibrations.calibration_for``).
+
+``cluster.device == "live"`` plans for the service's Ray cluster, described by ``cluster_from_live`` (a callable
+returning the live ``ClusterSpec``; tests set it) or else by the runtime's ``planning_cluster()`` when the app
+runs one. Request fields that are set (bandwidths, peak, memory) override what it reports.
+With neither (or no cluster yet) the request is refused (422, ``cluster.device``).
+
+Errors are raised as ``api.spec.validation.SpecError`` (a ValueError with ``.param``); the app maps them to 422
+with the body ``{"error": {"code", "message", "param"}}``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+
+from fastapi import APIRouter
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
+
+from api.spec import ClusterSpec, PlanRequest, PlanResponse
+from api.spec.validation import SpecError, SpecIssue
+from service import planner
+from service.app.deps import RuntimeDep, SessionFactoryDep
+from service.app.errors import error_responses
+from service.control.runtime import Runtime
+from service.errors import Unavailable
+from service.store.calibrations import calibration_for
+
+router = APIRouter(tags=["plans"])
+
+# Overrides the runtime's live cluster when set (tests): returns a ClusterSpec (device, gpus_per_node, nodes).
+cluster_from_live: Callable[[], ClusterSpec] | None = None
+
+RETRY_AFTER_S = 1
+
+
+class PlannerLimiter:
+    """At most ``slots`` searches at once; ``try_acquire`` never waits."""
+
+    def __init__(self, slots: int):
+        self.slots = max(1, slots)
+        self._sem = threading.BoundedSemaphore(self.slots)
+
+    def try_acquire(self) -> bool:
+        return self._sem.acquire(blocking=False)
+
+    def release(self) -> None:
+        self._sem.release()
+
+
+limiter = PlannerLimiter(max(2, (os.cpu_count() or 2) // 2))
+
+
+def _live_cluster(runtime: Runtime | None) -> ClusterSpec | None:
+    if cluster_from_live is not None:
+        return cluster_from_live()
+    return runtime.planning_cluster() if runtime is not None else None
+
+
+def _resolve_cluster(requested: ClusterSpec, runtime: Runtime | None) -> ClusterSpec:
+    if requested.device.strip().lower() != "live":
+        return requested
+    live = _live_cluster(runtime)
+    if live is None:
+        raise SpecError(
+            [
+                SpecIssue(
+                    "cluster.device",
+                    "device 'live' needs the service's Ray cluster, which is not "
+                    "connected (or has no nodes yet); name a device type such as 'H100' instead",
+                    "live_cluster_unavailable",
+                )
+            ]
+        )
+    overrides = {
+        k: v for k, v in requested.model_dump(exclude={"device", "gpus_per_node", "nodes"}).items() if v is not None
+    }
+    return live.model_copy(update=overrides) if overrides else live
+
+
+def _plan(req: PlanRequest, runtime: Runtime | None, factory: sessionmaker[Session] | None) -> PlanResponse:
+    """The blocking part (cluster lookup, calibration lookup, search): runs in a worker thread."""
+    cluster = _resolve_cluster(req.cluster, runtime)
+    if cluster is not req.cluster:
+        req = req.model_copy(update={"cluster": cluster})
+    # a cluster that sweeps or runs have measured is planned with the fitted factors (None: the planner's defaults)
+    factors, calibration = calibration_for(factory, cluster)
+    return planner.search(req, factors=factors, calibration=calibration)
+
+
+@router.post("/v1/plans", response_model=PlanResponse, summary="Plan a layout", responses=error_responses(422, 503))
+async def create_plan(req: PlanRequest, runtime: RuntimeDep, factory: SessionFactoryDep) -> PlanResponse:
+    """With ``layout``: that layout scored (one candidate; 422 if the model cannot run it). Without: the
+    ``top_k`` fastest feasible layouts, with rejected ones and why. 503 with ``Retry-After`` while the planner is
+    busy with other searches."""
+    if not limiter.try_acquire():
+        raise Unavailable(
+            f"the planner is busy with {limiter.slots} searches; retry in {RETRY_AFTER_S} s",
+            code="planner_busy",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+    try:
+        return await run_in_threadpool(_plan, req, runtime, factory)
+    finally:
+        limiter.release()

@@ -1,0 +1,253 @@
+"""The meshrun service process: ``create_app(settings)`` (FastAPI, OpenAPI at /docs) and ``serve(settings)``.
+
+Start-up (lifespan): engine + sessionmaker on ``app.state``, database migrated to the newest revision, then — when
+``settings.start_scheduler`` — the Ray runtime (``service.control.runtime.Runtime``) started and stopped with the app.
+Routers: runs, plans, sweeps, cluster (all behind authentication when auth is on) and /healthz (open); Prometheus
+``/metrics`` (``service.app.observability``). The web console (``service.app.console``) is served at ``/`` with the
+offline API docs at ``/docs`` and ``/redoc``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, FastAPI
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.app.console import install_console
+from service.app.deps import auth_dependencies
+from service.app.errors import ApiError, error_response, error_responses, install_error_handlers
+from service.app.observability import configure_logging, instrument_app
+from service.app.ratelimit import RateLimiter
+from service.app.routes import cluster, health, plans, runs, sweeps
+from service.control.runtime import Runtime
+from service.meta import VERSION
+from service.settings import Settings, get_settings
+from service.store import migrate
+from service.store.db import make_engine, make_sessionmaker, redact_url
+
+log = logging.getLogger(__name__)
+
+
+PROTECTED_ROUTERS: tuple[APIRouter, ...] = (runs.router, plans.router, sweeps.router, cluster.router)
+COMMON_ERRORS = (400, 401, 413, 429, 500, 503)
+
+
+# ----------------------------------------------------------------------------------------- body limit
+class BodySizeLimitMiddleware:
+    """413 for bodies over ``max_bytes``: at once from Content-Length, or while streaming (chunked bodies)."""
+
+    def __init__(self, app: ASGIApp, *, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self) -> ApiError:
+        return ApiError(
+            413,
+            f"request body exceeds the limit of {self.max_bytes} bytes; send a smaller body",
+            code="request_too_large",
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    n = int(value)
+                except ValueError:
+                    await error_response(400, "malformed_body", "invalid Content-Length header")(scope, receive, send)
+                    return
+                if n > self.max_bytes:
+                    e = self._too_large()
+                    await error_response(413, e.code, e.message)(scope, receive, send)
+                    return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise self._too_large()
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+# ------------------------------------------------------------------------------------------ same origin
+class SameOriginMiddleware:
+    """403 for unsafe requests (POST, PUT, PATCH, DELETE) that a browser sends from another site: their ``Origin``
+    header names another host than the one addressed. Programs (SDK, CLI, curl) send no Origin and pass; so do the
+    console's own requests. With auth off this is what keeps a web page from driving a local service."""
+
+    SAFE = frozenset({b"GET", b"HEAD", b"OPTIONS"})
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("method", "GET").encode() not in self.SAFE:
+            headers = dict(scope.get("headers") or ())
+            origin = headers.get(b"origin")
+            if origin is not None:
+                # the Host addressed, or the one a reverse proxy forwards (a page of another site cannot set that
+                # header on a cross-site request without a CORS preflight, which this service never grants)
+                hosts = {headers.get(b"host", b"").decode("latin-1").lower()}
+                forwarded = headers.get(b"x-forwarded-host")
+                if forwarded:
+                    hosts.add(forwarded.decode("latin-1").split(",", 1)[0].strip().lower())
+                theirs = origin.decode("latin-1").lower().split("://", 1)[-1].rstrip("/")
+                if origin == b"null" or theirs not in hosts:
+                    why = "cross-site requests are refused; use the API from a program or the console"
+                    await error_response(403, "cross_origin", why)(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
+# ------------------------------------------------------------------------------------------------ app
+def _include(app: FastAPI, router: APIRouter, settings: Settings) -> None:
+    """Mount a router (its routes carry their full /v1 paths) behind auth, with the common error responses."""
+    app.include_router(router, dependencies=auth_dependencies(settings), responses=error_responses(*COMMON_ERRORS))
+
+
+def _start_runtime(settings: Settings, session_factory: sessionmaker[Session]) -> Runtime | None:
+    if not settings.start_scheduler:
+        return None
+    runtime = Runtime(settings, session_factory)
+    runtime.start()
+    return runtime
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The meshrun API. Nothing touches the database or Ray until the app starts (lifespan)."""
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        url = settings.database_url or ""  # Settings fills it in (sqlite under data_dir) when unset
+        engine = make_engine(url)
+        await run_in_threadpool(migrate.upgrade, url)
+        app.state.engine = engine
+        app.state.session_factory = make_sessionmaker(engine)
+        app.state.runtime = await run_in_threadpool(_start_runtime, settings, app.state.session_factory)
+        _log_startup(settings, app.state.runtime)
+        try:
+            yield
+        finally:
+            runtime, app.state.runtime = app.state.runtime, None
+            if runtime is not None:
+                await run_in_threadpool(runtime.stop)
+            engine.dispose()
+
+    app = FastAPI(
+        title="meshrun",
+        version=VERSION,
+        lifespan=lifespan,
+        docs_url=None,  # served offline by the console (vendored Swagger UI and ReDoc)
+        redoc_url=None,
+        openapi_url="/openapi.json",
+        separate_input_output_schemas=False,
+        description="Plan, run and sweep distributed training runs on Ray. Errors always have the body "
+        '`{"error": {"code", "message", "param"}}`.',
+    )
+    app.state.settings = settings
+    app.state.runtime = None
+    app.state.rate_limiter = RateLimiter(settings.rate_limit_per_minute)
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(SameOriginMiddleware)
+
+    app.include_router(health.router)
+    for router in PROTECTED_ROUTERS:
+        _include(app, router, settings)
+    install_console(app)
+    instrument_app(app, settings)
+    _use_error_body_in_openapi(app)
+    return app
+
+
+def _use_error_body_in_openapi(app: FastAPI) -> None:
+    """FastAPI documents 422 as its own HTTPValidationError; meshrun answers with ErrorBody everywhere."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = generate()
+        ref = {"$ref": "#/components/schemas/ErrorBody"}
+        for item in schema.get("paths", {}).values():
+            for op in item.values():
+                if not isinstance(op, dict) or "responses" not in op:
+                    continue
+                resp = op["responses"].get("422")
+                if resp and "HTTPValidationError" in str(resp):
+                    op["responses"]["422"] = {
+                        "description": "Invalid request: `param` names the field, `message` says how to fix it.",
+                        "content": {"application/json": {"schema": ref}},
+                    }
+        comps = schema.get("components", {}).get("schemas", {})
+        if "ErrorBody" in comps and "HTTPValidationError" not in str(schema.get("paths")):
+            comps.pop("HTTPValidationError", None)
+            comps.pop("ValidationError", None)
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _log_startup(settings: Settings, runtime: Runtime | None) -> None:
+    if settings.auth_enabled:
+        auth = "auth ON: every endpoint but /healthz needs 'Authorization: Bearer <token>' (meshrun token create)"
+    elif settings.listens_on_loopback:
+        auth = (
+            "auth OFF: embedded single-user default on loopback (set MESHRUN_AUTH=on, or listen beyond "
+            "loopback, to require tokens)"
+        )
+    else:
+        auth = f"auth OFF on {settings.host} (MESHRUN_AUTH=off): anyone who can reach this port can launch runs"
+    sched = "scheduler running" if runtime is not None else "no scheduler in this process (runs stay QUEUED)"
+    log.info(
+        "meshrun %s: database %s; %s; %s; web console at %s/",
+        VERSION,
+        redact_url(settings.database_url),
+        auth,
+        sched,
+        console_url(settings),
+    )
+    if not settings.auth_enabled and not settings.listens_on_loopback:
+        log.warning("authentication is OFF while listening on %s", settings.host)
+
+
+def console_url(settings: Settings) -> str:
+    """Where a browser on this machine reaches the console."""
+    host = settings.host
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    elif ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{settings.port}"
+
+
+def serve(settings: Settings | None = None) -> None:
+    """Run the service with uvicorn on settings.host:settings.port (blocks until stopped)."""
+    import uvicorn
+
+    settings = settings or get_settings()
+    configure_logging(settings)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        log_level=settings.log_level.lower(),
+        proxy_headers=False,
+        server_header=False,
+    )

@@ -1,0 +1,92 @@
+"""The environment of every Ray Job meshrun submits (run drivers and sweep drivers): one place decides it.
+
+``job_runtime_env`` returns the Ray ``runtime_env``: the settings a driver needs, the GCS address of meshrun's
+own cluster (never "auto", which can pick another cluster on a shared host), ``PYTHONPATH`` with meshrun's
+packages, the pass-through debugging variables, meshrun's code when the cluster does not have it installed
+(``MESHRUN_RAY_WORKING_DIR``), and the user's code directory (``spec.code.working_dir``) when the run names one:
+as the job's ``working_dir``, or as ``py_modules`` (one per top-level package) when meshrun itself is shipped as
+the working dir. Every Ray Train worker inherits the job's runtime env.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from service.meta import PROJECT_ROOT
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+PASS_THROUGH_ENV = (
+    "MESHRUN_TORCH_TIMEOUT_S",
+    "MESHRUN_TRAIN_FN",
+    "MESHRUN_PG_TIMEOUT_S",
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S",
+)
+CODE_EXCLUDES = [".git", "**/__pycache__", "*.pyc", ".venv", "venv", "*.ckpt", "*.pt", "*.safetensors"]
+MESHRUN_EXCLUDES = [".git", "**/__pycache__", "*.db", "tests", "bench"]
+
+
+def _packages(root: Path) -> list[Path]:
+    return sorted(p for p in root.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+
+
+def code_runtime_env(renv: dict[str, Any], code_dir: Path) -> dict[str, Any]:
+    """Add the user's ``code_dir`` to a Ray runtime env (in place; returned)."""
+    code_dir = code_dir.resolve()
+    if "working_dir" not in renv:
+        renv["working_dir"] = str(code_dir)
+        renv["excludes"] = sorted(set(renv.get("excludes", [])) | set(CODE_EXCLUDES))
+        return renv
+    pkgs = _packages(code_dir)
+    loose = [p.name for p in code_dir.glob("*.py")]
+    if loose:
+        log.warning(
+            "code.working_dir %s: modules %s are not packages and cannot ship as py_modules while meshrun "
+            "is the job's working_dir; put them in a package",
+            code_dir,
+            loose[:5],
+        )
+    renv["py_modules"] = [*renv.get("py_modules", []), *(str(p) for p in pkgs)]
+    return renv
+
+
+def job_runtime_env(
+    settings: Settings,
+    *,
+    job_id: str,
+    gcs_address: str | None,
+    dashboard_url: str | None = None,
+    extra_env: Mapping[str, str] | None = None,
+    code_dir: Path | None = None,
+) -> dict[str, Any]:
+    """The ``runtime_env`` of a meshrun Ray Job (see the module docstring)."""
+    env: dict[str, str] = {
+        "MESHRUN_DATABASE_URL": str(settings.database_url),
+        "MESHRUN_DATA_DIR": str(settings.data_dir),
+        "MESHRUN_CHECKPOINT_ROOT": str(settings.checkpoint_root),
+        "MESHRUN_LOG_LEVEL": settings.log_level,
+        "MESHRUN_RAY_JOB_ID": job_id,
+        # the driver connects to this GCS address; a ray:// client address cannot be used from inside the cluster
+        "MESHRUN_RAY_GCS_ADDRESS": "" if (gcs_address or "").startswith("ray://") else (gcs_address or ""),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH")) if p),
+    }
+    if dashboard_url:
+        env["MESHRUN_DASHBOARD_URL"] = dashboard_url
+    env.update({k: os.environ[k] for k in PASS_THROUGH_ENV if os.environ.get(k)})
+    env.update(extra_env or {})
+    renv: dict[str, Any] = {"env_vars": env}
+    wd = os.environ.get("MESHRUN_RAY_WORKING_DIR")
+    if wd:  # a remote cluster without meshrun installed: ship meshrun's code
+        renv["working_dir"] = wd
+        renv["excludes"] = list(MESHRUN_EXCLUDES)
+    if code_dir is not None:
+        if code_dir.is_dir():
+            code_runtime_env(renv, code_dir)
+        else:
+            log.warning("job %s: code.working_dir %s is gone; the job starts without it", job_id, code_dir)
+    return renv

@@ -1,0 +1,290 @@
+"""Admission and reconciliation: the loop that turns QUEUED runs into Ray Jobs and keeps the database honest.
+
+``Scheduler.tick()`` (called every ``settings.scheduler_interval_s`` by ``service.control.runtime.Runtime``):
+
+- admit, in three steps (the Ray Train V2 controller's pattern): *observe* the QUEUED runs, the alive nodes' free
+  resources and the reservations of runs admitted moments ago (their workers have not started yet); *decide* with
+  ``service.control.admission.decide``, a pure function (priority, then FIFO; strict order, no overtaking; the
+  reason of every wait: "needs 8 worker slots of 1 CPU; 3 free"); *act* on each decision: an admitted run moves to
+  STARTING and gets one Ray Job (``python -m service.runs.driver --run-id ...``, submission id
+  ``meshrun-<run>-<n>``, metadata run id/name/project, the placement in its environment); a waiting one gets the
+  reason; a failed submission re-queues the run with the error.
+- reconcile: every STARTING/RUNNING run against its Ray Job: pending/running -> keep; gone, failed, stopped or
+  finished without the driver having ended the run -> FAILED "driver lost" with Ray's message; a running run whose
+  pinned node died -> FAILED "node lost" (and its job stopped). Runs keep their metrics. Also done once at start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from api.spec import RunStatus
+from service import store
+from service.cluster.env import job_runtime_env
+from service.cluster.head import NodeView
+from service.cluster.jobs import JobsBackend, submission_id, submission_number, trim
+from service.cluster.placement import NodeCapacity, Placement, add_reservations, reservation
+from service.control.admission import Candidate, Decision, decide
+from service.security.policy import resolve_code_dir
+from service.settings import Settings
+from service.store.db import session_scope
+
+logger = logging.getLogger(__name__)
+
+RESERVATION_TTL_S = 180.0
+STARTING_GRACE_S = 30.0
+
+
+@dataclass
+class _Pending:
+    placement: Placement
+    attempts_at_admission: int
+    admitted_at: float = field(default_factory=time.monotonic)
+
+
+class ClusterView(Protocol):
+    """What the scheduler reads of the Ray cluster (``service.cluster.head.RayCluster`` is one)."""
+
+    @property
+    def address(self) -> str | None: ...
+
+    @property
+    def dashboard_url(self) -> str | None: ...
+
+    def nodes(self) -> list[NodeView]: ...
+
+
+class Scheduler:
+    def __init__(
+        self, *, settings: Settings, session_factory: sessionmaker[Session], cluster: ClusterView, jobs: JobsBackend
+    ):
+        self.settings = settings
+        self.factory = session_factory
+        self.cluster = cluster
+        self.jobs = jobs
+        self.pending: dict[str, _Pending] = {}
+        self.last_error: str | None = None
+
+    # ------------------------------------------------------------------------------------------- helpers
+    def capacities(self) -> list[NodeCapacity]:
+        return [NodeCapacity(node_id=n.node_id, total=n.total, free=n.free) for n in self.cluster.nodes() if n.alive]
+
+    def runtime_env(self, run_id: str, placement: Placement, n: int, *, code_dir: Path | None) -> dict[str, Any]:
+        return job_runtime_env(
+            self.settings,
+            job_id=submission_id(run_id, n),
+            gcs_address=self.cluster.address,
+            dashboard_url=self.cluster.dashboard_url,
+            extra_env={"MESHRUN_PLACEMENT": json.dumps(placement.to_json()), "MESHRUN_SUBMISSION": str(n)},
+            code_dir=code_dir,
+        )
+
+    # ------------------------------------------------------------------------------------------- tick
+    def tick(self) -> None:
+        for name, step in (("reconcile", self.reconcile), ("admit", self.admit)):
+            try:
+                step()
+            except Exception as e:
+                msg = f"{name}: {type(e).__name__}: {e}"
+                if msg != self.last_error:  # log a repeated failure once, not every tick
+                    logger.exception("scheduler %s failed", name)
+                self.last_error = msg
+                if isinstance(e, (ConnectionError, OSError)) or "Connection" in type(e).__name__:
+                    self.jobs.reset()
+            else:
+                if self.last_error and self.last_error.startswith(name):
+                    logger.info("scheduler %s works again", name)
+                    self.last_error = None
+
+    def _reserved(self) -> dict[str, dict[str, float]]:
+        now = time.monotonic()
+        if not self.pending:
+            return {}
+        with session_scope(self.factory) as s:
+            for run_id, p in list(self.pending.items()):
+                try:
+                    run = store.get_run(s, run_id=run_id)
+                except store.NotFound:
+                    self.pending.pop(run_id, None)
+                    continue
+                claimed = (run.attempts or 0) > p.attempts_at_admission  # workers are up
+                if (
+                    claimed
+                    or RunStatus(run.status).terminal
+                    or run.status == RunStatus.QUEUED.value
+                    or now - p.admitted_at > RESERVATION_TTL_S
+                ):
+                    self.pending.pop(run_id, None)
+        return add_reservations(*(reservation(p.placement) for p in self.pending.values()))
+
+    def admit(self) -> list[str]:
+        """One admission pass: observe (queue, nodes, reservations), decide (``admission.decide``, pure), act.
+        Returns the admitted run ids."""
+        with session_scope(self.factory) as s:
+            queued = store.queued_runs(s)
+            queue = [Candidate(id=r.id, plan=r.plan, priority=r.priority or 0, queued_at=r.created_at) for r in queued]
+            runs = {r.id: (r.name, r.project, r.ray_job_id, r.attempts or 0) for r in queued}
+        if not queue:
+            return []
+        decisions = decide(queue, self.capacities(), self._reserved()).decisions
+        return [d.candidate.id for d in decisions if self._act(d, *runs[d.candidate.id])]
+
+    def _act(self, d: Decision, name: str, project: str, old_job: str | None, attempts: int) -> bool:
+        """Carry out one decision; True when the run was admitted (submitted as its Ray Job)."""
+        run_id = d.candidate.id
+        if d.action == "fail":
+            try:
+                with session_scope(self.factory) as s:
+                    store.transition(s, run_id=run_id, to=RunStatus.FAILED, reason=d.reason, actor="scheduler")
+            except store.Conflict:
+                pass  # cancelled meanwhile
+            return False
+        if d.action == "wait":
+            with session_scope(self.factory) as s:
+                store.set_reason(s, run_id=run_id, reason=d.reason)
+            return False
+        assert d.placement is not None
+        return self._submit(
+            run_id,
+            name=name,
+            project=project,
+            placement=d.placement,
+            reason=d.reason,
+            old_job=old_job,
+            attempts=attempts,
+        )
+
+    def _submit(
+        self,
+        run_id: str,
+        *,
+        name: str,
+        project: str,
+        placement: Placement,
+        reason: str,
+        old_job: str | None,
+        attempts: int,
+    ) -> bool:
+        n = submission_number(old_job) + 1
+        sid = submission_id(run_id, n)
+        dash = self.cluster.dashboard_url
+        with session_scope(self.factory) as s:
+            try:
+                store.transition(
+                    s,
+                    run_id=run_id,
+                    to=RunStatus.STARTING,
+                    actor="scheduler",
+                    reason=f"{reason}; Ray Job {sid}",
+                    allow_from=[RunStatus.QUEUED],
+                    ray_job_id=sid,
+                    dashboard_url=f"{dash}/#/jobs/{sid}" if dash else None,
+                )
+            except store.Conflict:
+                return False  # cancelled meanwhile
+            code = (store.get_run(s, run_id=run_id).spec.get("code") or {}).get("working_dir")
+        code_dir = resolve_code_dir(code, self.settings) if code else None
+        try:
+            self.jobs.submit(
+                entrypoint=f"{_python()} -m service.runs.driver --run-id {run_id}",
+                submission_id=sid,
+                # job_name: the name Ray's job list shows
+                metadata={"run_id": run_id, "name": name, "job_name": name, "project": project, "meshrun": "run"},
+                runtime_env=self.runtime_env(run_id, placement, n, code_dir=code_dir),
+            )
+        except Exception as e:
+            logger.exception("submitting run %s failed", run_id)
+            self.jobs.reset()
+            with session_scope(self.factory) as s:
+                try:
+                    store.transition(
+                        s,
+                        run_id=run_id,
+                        to=RunStatus.QUEUED,
+                        actor="scheduler",
+                        reason=trim(f"Ray Job submission failed, will retry: {e}", 1000),
+                        allow_from=[RunStatus.STARTING],
+                        ray_job_id=sid,
+                    )
+                except store.Conflict:
+                    pass
+            return False
+        self.pending[run_id] = _Pending(placement=placement, attempts_at_admission=attempts)
+        logger.info("run %s admitted as Ray Job %s", run_id, sid)
+        return True
+
+    def reconcile(self) -> list[str]:
+        """Fail runs whose driver is gone (or whose pinned node died). Returns their ids."""
+        with session_scope(self.factory) as s:
+            active = [(r.id, r.status, r.ray_job_id, dict(r.rank_nodes or {})) for r in store.active_runs(s)]
+        lost: list[str] = []
+        dead: set[str] | None = None
+        for run_id, status, job_id, rank_nodes in active:
+            stop_after: str | None = None
+            if not job_id:
+                if run_id in self.pending:
+                    continue
+                reason = "driver lost: the run has no Ray Job (the service stopped while admitting it)"
+            else:
+                state = self.jobs.state(job_id)
+                if state.status not in ("PENDING", "RUNNING"):
+                    reason = f"driver lost: Ray Job {job_id} is {state.status}"
+                    if state.message:
+                        reason += f": {state.message}"
+                else:
+                    if status != RunStatus.RUNNING.value or not rank_nodes:
+                        continue
+                    if dead is None:
+                        dead = {n.node_id for n in self.cluster.nodes() if not n.alive}
+                    gone = sorted({n for n in rank_nodes.values() if n in dead})
+                    if not gone:
+                        continue
+                    # Workers are pinned to their nodes: Ray Train would wait forever to restart them there.
+                    reason = (
+                        f"node lost: {', '.join(g[:12] for g in gone)} of this run's workers died; "
+                        f"resume the run (POST /v1/runs/{run_id}/resume) to place it on the remaining nodes"
+                    )
+                    stop_after = job_id  # FAILED first, so the stopped driver cannot overwrite it
+            if not self._fail_lost(run_id, reason):
+                continue
+            if stop_after:
+                try:
+                    self.jobs.stop(stop_after)
+                except Exception:
+                    logger.exception("stopping Ray Job %s failed", stop_after)
+            self.pending.pop(run_id, None)
+            lost.append(run_id)
+            logger.warning("run %s: %s", run_id, reason)
+        return lost
+
+    def _fail_lost(self, run_id: str, reason: str) -> bool:
+        """FAILED with ``reason`` (its attempt too, its summary from the stored metrics), unless the driver ended
+        the run meanwhile."""
+        with session_scope(self.factory) as s:
+            if RunStatus(store.get_run(s, run_id=run_id).status).terminal:
+                return False
+            summ = store.summarize_metrics(s, run_id=run_id)
+            try:
+                store.end_run(
+                    s,
+                    run_id=run_id,
+                    to=RunStatus.FAILED,
+                    reason=trim(reason, 2000),
+                    actor="scheduler",
+                    attempt_cause=reason.split(":", 1)[0],
+                    summary={k: v for k, v in summ.items() if k != "peak_memory_bytes"},
+                )
+            except store.Conflict:
+                return False
+        return True
+
+
+def _python() -> str:
+    return "python"

@@ -1,0 +1,129 @@
+"""The run driver: the entrypoint of a run's Ray Job (``python -m service.runs.driver --run-id ID``).
+
+The service submits it with the database URL and the placement in the job's ``runtime_env`` env vars. It follows
+the run lifecycle (``service.runs.lifecycle``):
+
+1. loads the run, moves it STARTING -> RUNNING (an event naming the Ray Job);
+2. a user model (``model.entrypoint``) is inspected on the meta device first (``service.runs.inspect``);
+3. opens the run's channel and builds the ``TorchTrainer`` from the plan and the placement
+   (``service.runs.trainer``); while ``fit()`` runs the channel is drained into the database;
+4. ends the run SUCCEEDED with its summary, or FAILED with the workers' exception text. On SIGTERM (``stop_job``
+   after a cancel) it drains once more and leaves the run CANCELLED. A terminal state set meanwhile by someone else
+   (a cancel) is never overwritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from types import FrameType
+
+import ray
+
+from api.spec import Plan, RunSpec, RunStatus
+from api.spec.validation import build_plan
+from service import store
+from service.cluster.jobs import trim
+from service.cluster.placement import Placement
+from service.runs.inspect import InspectionFailed, describe, inspect_in_driver
+from service.runs.lifecycle import Outcome, RunLifecycle
+from service.runs.trainer import build_trainer, train_run_name
+from service.settings import Settings
+from service.store.db import make_engine, make_sessionmaker, session_scope
+
+logger = logging.getLogger("meshrun.driver")
+
+PLACEMENT_ENV = "MESHRUN_PLACEMENT"
+SUBMISSION_ENV = "MESHRUN_SUBMISSION"
+JOB_ID_ENV = "MESHRUN_RAY_JOB_ID"
+GCS_ADDRESS_ENV = "MESHRUN_RAY_GCS_ADDRESS"
+
+
+def _inspect_user_model(life: RunLifecycle, spec: RunSpec, plan: Plan) -> Plan | None:
+    """``inspect_in_driver`` (a Ray task in this job's runtime env): record the inspected size on the run's plan and
+    an ``inspect`` event; on failure end the run FAILED with the reason (returns None)."""
+    try:
+        plan, info = inspect_in_driver(spec, plan)
+    except InspectionFailed as e:
+        life.transition(RunStatus.FAILED, trim(f"model inspection failed: {e.message}"))
+        return None
+    with session_scope(life.factory) as s:
+        store.get_run(s, run_id=life.run_id).plan = plan.model_dump(mode="json")
+        store.add_event(s, run_id=life.run_id, kind="inspect", reason=trim(describe(info)))
+    logger.info("run %s: %s", life.run_id, describe(info))
+    return plan
+
+
+def _on_term(signum: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="meshrun run driver (a Ray Job entrypoint)")
+    ap.add_argument("--run-id", required=True)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = Settings()
+    factory = make_sessionmaker(make_engine(settings.database_url))
+    run_id = args.run_id
+    submission = int(os.environ.get(SUBMISSION_ENV, "1"))
+    placement_json = json.loads(os.environ.get(PLACEMENT_ENV) or "null")
+    placement = Placement.from_json(placement_json) if placement_json else None
+
+    with session_scope(factory) as s:
+        run = store.get_run(s, run_id=run_id)
+        spec = RunSpec.model_validate(run.spec)
+        plan = Plan.model_validate(run.plan) if run.plan else build_plan(spec)
+        run_name, resume_from, first_attempt = run.name, run.resume_from, (run.attempts or 0) + 1
+    name = train_run_name(run_id, submission)
+    life = RunLifecycle(factory, run_id, actor="driver", train_run_name=name)
+    if not life.start(f"driver started (Ray Job {os.environ.get(JOB_ID_ENV) or '?'})"):
+        return 0
+
+    # the explicit GCS address: "auto" resolution can pick another cluster on a shared machine
+    ray.init(address=os.environ.get(GCS_ADDRESS_ENV) or None, logging_level=logging.WARNING, log_to_driver=True)
+    if spec.model.entrypoint:  # a user model: inspect it on the meta device before any worker starts
+        inspected = _inspect_user_model(life, spec, plan)
+        if inspected is None:
+            return 1
+        plan = inspected
+
+    signal.signal(signal.SIGTERM, _on_term)
+    t0 = time.time()
+    error: Exception | None = None
+    outcome = Outcome(RunStatus.FAILED, "driver ended without a result")
+    try:
+        with life.channel(first_attempt=first_attempt) as channel:
+            try:
+                trainer = build_trainer(
+                    run_id=run_id,
+                    run_name=run_name,
+                    resume_from=resume_from,
+                    spec=spec,
+                    plan=plan,
+                    placement=placement,
+                    channel=channel,
+                    settings=settings,
+                    train_run_name=name,
+                )
+                trainer.fit()
+                outcome = Outcome.succeeded()
+            except Exception as e:
+                logger.exception("training failed")
+                error = e
+    except KeyboardInterrupt as e:
+        # the service moved the run to CANCELLED before stopping the job; otherwise (stopped from the dashboard)
+        outcome = Outcome(RunStatus.CANCELLED, f"Ray Job stopped ({e})")
+    if error is not None:
+        outcome = life.failed(error)  # after the channel's last drain: the workers' errors are recorded
+    life.finish(outcome, wall_s=time.time() - t0)
+    return 0 if outcome.status == RunStatus.SUCCEEDED else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,279 @@
+"""One execution of a run inside its driver: the lifecycle that the run driver (``service.runs.driver``) and the
+sweep's trial driver (``service.sweeps.driver.run_trial``) share.
+
+A driver:
+
+1. ``life = RunLifecycle(factory, run_id, actor=...)``; ``life.start(reason)`` moves the run to RUNNING (False:
+   somebody ended it meanwhile, the driver stops);
+2. ``with life.channel(first_attempt=n) as channel:`` opens the run's channel actor (``service.cluster.jobs``)
+   and drains it every ``DRAIN_INTERVAL_S`` into the database through a ``Recorder``: attempts (their cause and
+   rank -> node map), per-step metrics, persisted checkpoints, worker errors and the workers' summary. Leaving the
+   block drains once more;
+3. trains (``service.runs.trainer.build_trainer(...).fit()``) and turns the result into an ``Outcome``
+   (``life.failed(error)`` names the workers' exception);
+4. ``life.finish(outcome, wall_s=...)`` ends the current attempt and the run with the outcome and its summary.
+   A terminal state set meanwhile by someone else (a cancel) is never overwritten (``store.transition`` raises
+   Conflict); an ``Outcome`` without a status (the run was ended externally) writes only the summary's inputs.
+
+Only the driver writes a running run's attempts, metrics and checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.actor import ActorHandle
+from ray.train import ControllerError, WorkerGroupError
+from sqlalchemy.orm import Session, sessionmaker
+
+from api.spec import RunStatus
+from api.spec.metrics import PEAK_MEMORY_PER_RANK
+from service import store
+from service.cluster.jobs import format_worker_exceptions, open_channel, trim
+from service.store.db import session_scope
+
+logger = logging.getLogger(__name__)
+
+DRAIN_INTERVAL_S = 0.5
+DRAIN_TIMEOUT_S = 30.0
+
+
+def dir_size_bytes(path: str) -> int | None:
+    p = Path(path)
+    if not p.exists():
+        return None
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+# ---------------------------------------------------------------------------------------------- recorder
+class Recorder:
+    """Writes what the run's channel collected into the run database."""
+
+    def __init__(self, factory: sessionmaker[Session], run_id: str, *, train_run_name: str | None = None):
+        self.factory = factory
+        self.run_id = run_id
+        self.train_run_name = train_run_name
+        self.current_attempt: int | None = None
+        self.worker_errors: list[str] = []
+        self.summary: dict[str, Any] | None = None
+        self.rank_nodes: dict[str, str] | None = None
+        self.peak_per_rank: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def apply(self, events: list[dict[str, Any]]) -> None:
+        if not events:
+            return
+        with self.lock, session_scope(self.factory) as s:
+            for ev in events:
+                kind = ev.get("type")
+                if kind == "attempt":
+                    self._attempt(s, ev)
+                elif kind == "metrics":
+                    self._metrics(s, ev)
+                elif kind == "checkpoint":
+                    self._checkpoint(s, ev)
+                elif kind == "worker_error":
+                    self.worker_errors.append(ev["text"])
+                    store.add_event(
+                        s,
+                        run_id=self.run_id,
+                        kind="worker_error",
+                        reason=trim(f"attempt {ev['attempt']} failed: {ev['text']}"),
+                    )
+                elif kind == "done":
+                    self.summary = ev.get("summary") or {}
+
+    def _attempt(self, s: Session, ev: dict[str, Any]) -> None:
+        """A new worker group: the previous attempt (if any) failed; record the new one and where its ranks run."""
+        if self.current_attempt is not None:
+            store.finish_attempt(
+                s,
+                run_id=self.run_id,
+                attempt=self.current_attempt,
+                status=RunStatus.FAILED.value,
+                cause=self.worker_errors[-1] if self.worker_errors else None,
+            )
+        att = store.start_attempt(
+            s, run_id=self.run_id, cause=ev.get("cause") or "start", train_run_name=self.train_run_name
+        )
+        if att.attempt != ev["attempt"]:
+            logger.warning("attempt numbering differs: db %s, channel %s", att.attempt, ev["attempt"])
+        self.current_attempt = ev["attempt"]
+        ranks = sorted(ev.get("ranks") or [], key=lambda r: r["rank"])
+        self.rank_nodes = {str(r["rank"]): r["node_id"] for r in ranks}
+        store.get_run(s, run_id=self.run_id).rank_nodes = self.rank_nodes
+        where = {str(r["rank"]): f"{r['node_id'][:12]} pid {r['pid']}" for r in ranks}
+        store.add_event(s, run_id=self.run_id, kind="placement", reason="rank -> node: " + json.dumps(where))
+
+    def _metrics(self, s: Session, ev: dict[str, Any]) -> None:
+        rows = []
+        for r in ev["rows"]:
+            r = dict(r)
+            for i, v in enumerate(r.pop(PEAK_MEMORY_PER_RANK, None) or ()):
+                self.peak_per_rank[str(i)] = max(self.peak_per_rank.get(str(i), 0), int(v))
+            rows.append(r)
+        store.add_metrics(s, run_id=self.run_id, attempt=ev["attempt"], rows=rows)
+
+    def _checkpoint(self, s: Session, ev: dict[str, Any]) -> None:
+        if ev.get("step") is None:
+            return
+        store.add_checkpoint(
+            s,
+            run_id=self.run_id,
+            attempt=ev.get("attempt_reported") or ev["attempt"],
+            step=int(ev["step"]),
+            path=ev["path"],
+            size_bytes=dir_size_bytes(ev["path"]),
+        )
+        store.add_event(
+            s, run_id=self.run_id, kind="checkpoint", reason=f"checkpoint of step {ev['step']} at {ev['path']}"
+        )
+
+    def drain(self, channel: ActorHandle, *, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+        """Apply what the channel holds now (logs and swallows failures: the next drain retries)."""
+        try:
+            self.apply(ray.get(channel.drain.remote(), timeout=timeout_s))
+        except Exception:
+            logger.exception("draining the channel of run %s failed", self.run_id)
+
+
+# ----------------------------------------------------------------------------------------------- outcome
+@dataclass(frozen=True)
+class Outcome:
+    """How a driver's training ended. ``status`` None: somebody else ended the run (nothing more to record)."""
+
+    status: RunStatus | None
+    reason: str
+
+    @classmethod
+    def succeeded(cls) -> Outcome:
+        return cls(RunStatus.SUCCEEDED, "training finished")
+
+
+def failure_text(e: BaseException, worker_errors: list[str]) -> str:
+    """The workers' exception(s) of a failed ``fit()`` (rank: type: message), else the last error the Train
+    controller reported, else the exception itself."""
+    if isinstance(e, WorkerGroupError) and e.worker_failures:
+        return format_worker_exceptions(e.worker_failures)
+    if worker_errors:
+        return worker_errors[-1]
+    cause: BaseException = e.controller_failure if isinstance(e, ControllerError) else e
+    return f"{type(cause).__name__}: {cause}"
+
+
+def run_summary(
+    session: Session,
+    *,
+    run_id: str,
+    warmup_steps: int = 0,
+    peak_per_rank: Mapping[str, int] | None = None,
+    wall_s: float | None = None,
+) -> dict[str, Any]:
+    """A run's summary (``api.spec.RunSummary``): from its stored steps (means after ``warmup_steps``), the
+    per-rank peak memory the workers reported, the wall time of its driver."""
+    summ = store.summarize_metrics(session, run_id=run_id, warmup_steps=warmup_steps)
+    return {
+        "steps_done": summ.get("steps_done", 0),
+        "final_loss": summ.get("final_loss"),
+        "mean_tokens_per_s": summ.get("mean_tokens_per_s"),
+        "mean_mfu": summ.get("mean_mfu"),
+        PEAK_MEMORY_PER_RANK: {str(k): int(v) for k, v in (peak_per_rank or {}).items()},
+        "wall_time_s": wall_s,
+    }
+
+
+# --------------------------------------------------------------------------------------------- lifecycle
+@dataclass
+class RunLifecycle:
+    """The database side of one execution of a run (see the module docstring)."""
+
+    factory: sessionmaker[Session]
+    run_id: str
+    actor: str
+    warmup_steps: int = 0
+    train_run_name: str | None = None
+    recorder: Recorder = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.recorder = Recorder(self.factory, self.run_id, train_run_name=self.train_run_name)
+
+    def transition(self, to: RunStatus, reason: str, **fields: Any) -> bool:
+        """Move the run; False (logged) when its state does not allow it (e.g. cancelled meanwhile)."""
+        try:
+            with session_scope(self.factory) as s:
+                store.transition(s, run_id=self.run_id, to=to, reason=reason, actor=self.actor, **fields)
+            return True
+        except store.Conflict as e:
+            logger.info("not moving run %s to %s: %s", self.run_id, to.value, e)
+            return False
+
+    def start(self, reason: str) -> bool:
+        return self.transition(RunStatus.RUNNING, reason)
+
+    def status(self) -> RunStatus:
+        with session_scope(self.factory) as s:
+            return RunStatus(store.get_run(s, run_id=self.run_id).status)
+
+    @contextmanager
+    def channel(self, *, first_attempt: int) -> Iterator[ActorHandle]:
+        """The run's channel actor, drained into the database in a background thread while the block runs, and
+        once more at its end."""
+        handle = open_channel(self.run_id, first_attempt)
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(DRAIN_INTERVAL_S):
+                self.recorder.drain(handle)
+
+        drainer = threading.Thread(target=loop, daemon=True, name=f"drain-{self.run_id}")
+        drainer.start()
+        try:
+            yield handle
+        finally:
+            stop.set()
+            drainer.join(timeout=5)
+            self.recorder.drain(handle)
+
+    def failed(self, error: BaseException) -> Outcome:
+        """FAILED with the workers' error (call after the channel's last drain, which brings their reports)."""
+        return Outcome(RunStatus.FAILED, trim(f"training failed: {failure_text(error, self.recorder.worker_errors)}"))
+
+    def summary(self, session: Session, *, wall_s: float | None) -> dict[str, Any]:
+        return run_summary(
+            session,
+            run_id=self.run_id,
+            warmup_steps=self.warmup_steps,
+            peak_per_rank=(self.recorder.summary or {}).get(PEAK_MEMORY_PER_RANK) or self.recorder.peak_per_rank,
+            wall_s=wall_s,
+        )
+
+    def finish(self, outcome: Outcome, *, wall_s: float | None) -> dict[str, Any]:
+        """End the current attempt and the run with ``outcome`` (see the module docstring); returns the summary."""
+        with session_scope(self.factory) as s:
+            summary = self.summary(s, wall_s=wall_s)
+            if outcome.status is not None and self.recorder.current_attempt is not None:
+                store.finish_attempt(
+                    s,
+                    run_id=self.run_id,
+                    attempt=self.recorder.current_attempt,
+                    status=outcome.status.value,
+                    cause=None if outcome.status == RunStatus.SUCCEEDED else outcome.reason[:500],
+                )
+        if outcome.status is not None:
+            self.transition(outcome.status, outcome.reason, summary=summary)
+        logger.info(
+            "run %s: %s (%s)%s",
+            self.run_id,
+            outcome.status.value if outcome.status is not None else "ended externally",
+            outcome.reason[:200],
+            f" in {wall_s:.1f}s" if wall_s is not None else "",
+        )
+        return summary

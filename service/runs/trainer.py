@@ -1,0 +1,149 @@
+"""A run's Ray Train ``TorchTrainer``: one worker per rank, placed as the scheduler decided, for the run driver and
+the sweep's trial driver alike.
+
+``build_trainer`` turns the plan and the placement into the trainer: ``ScalingConfig`` from the placement (per-worker
+node pinning) or else from the plan's worker resources, ``FailureConfig(max_failures)``, a unique Train run name per
+submission (``train_run_name``), checkpoints kept per the spec, a short ``TorchConfig.timeout_s``, and the
+``ChannelCallback`` that forwards checkpoints and worker errors to the run's channel.
+
+The workers run ``workers.ray_worker.train_loop_per_worker``, which calls the train function named in the config:
+``workers.loop:train`` by default; ``MESHRUN_TRAIN_FN=pkg.module:function`` (in the service's environment, passed
+to every job) replaces it for debugging (same signature). A *stoppable* trainer (sweep trials) runs
+``train_stoppable``: the same function with ``stop=`` polling the run channel's ``should_stop``, so a trial can be
+asked to stop after its current step.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import ray
+from ray.actor import ActorHandle
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from api.spec import Plan, RunSpec
+from service.cluster.jobs import ChannelCallback, channel_name
+from service.cluster.placement import Placement, worker_resources
+from service.settings import Settings
+
+if TYPE_CHECKING:
+    from workers.loop import WorkerJob
+
+TORCH_TIMEOUT_S = int(os.environ.get("MESHRUN_TORCH_TIMEOUT_S", "120"))
+TRAIN_FN_ENV = "MESHRUN_TRAIN_FN"
+DEFAULT_TRAIN_FN = "workers.loop:train"
+STOPPABLE_TRAIN_FN = "service.runs.trainer:train_stoppable"
+STOP_POLL_S = 0.5
+
+
+def train_run_name(run_id: str, submission: int) -> str:
+    """The Ray Train run name of a run's ``submission``-th Ray Job (unique: Train keeps state per name)."""
+    return f"{run_id}-s{submission}"
+
+
+def scaling_config(plan: Plan, placement: Placement | None) -> ScalingConfig:
+    """The placement's workers and node pinning, or (no placement: a sweep trial) the plan's worker resources."""
+    if placement is not None and placement.fits:
+        return ScalingConfig(**placement.scaling_kwargs())
+    res = worker_resources(plan)
+    return ScalingConfig(
+        num_workers=plan.world_size,
+        use_gpu=bool(res.get("GPU")),
+        resources_per_worker=res,
+        placement_strategy=plan.placement_strategy,
+    )
+
+
+def build_trainer(
+    *,
+    run_id: str,
+    run_name: str,
+    resume_from: str | None,
+    spec: RunSpec,
+    plan: Plan,
+    placement: Placement | None,
+    channel: ActorHandle,
+    settings: Settings,
+    train_run_name: str,
+    stoppable: bool = False,
+) -> TorchTrainer:
+    from workers.ray_worker import train_loop_per_worker
+
+    scaling = scaling_config(plan, placement)
+    storage = spec.checkpoint.storage or str(settings.checkpoint_root)
+    if "://" not in storage:
+        Path(storage).mkdir(parents=True, exist_ok=True)
+    config = {
+        "run_id": run_id,
+        "run_name": run_name,
+        "spec": spec.model_dump(mode="json"),
+        "plan": plan.model_dump(mode="json"),
+        "channel": channel,
+        "resume_from": resume_from,
+        "local_checkpoint_root": str(Path(settings.data_dir) / "tmp"),
+        "train_fn": STOPPABLE_TRAIN_FN if stoppable else (os.environ.get(TRAIN_FN_ENV) or None),
+    }
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=config,
+        scaling_config=scaling,
+        torch_config=TorchConfig(backend="nccl" if scaling.use_gpu else "gloo", timeout_s=TORCH_TIMEOUT_S),
+        run_config=RunConfig(
+            name=train_run_name,
+            storage_path=storage,
+            failure_config=FailureConfig(max_failures=spec.resources.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep),
+            # a Train V2 UserCallback; RunConfig's annotation still names the Tune callback base
+            callbacks=[ChannelCallback(channel)],  # type: ignore[list-item]
+        ),
+    )
+
+
+def _load(path: str) -> Callable[..., Any]:
+    mod, _, fn = path.partition(":")
+    loaded: Callable[..., Any] = getattr(importlib.import_module(mod), fn)
+    return loaded
+
+
+def train_stoppable(
+    job: WorkerJob,
+    *,
+    sink: Callable[[dict[str, Any]], None] | None = None,
+    on_checkpoint: Callable[[int, str | None], None] | None = None,
+) -> dict[str, Any]:
+    """A stoppable trainer's train function (in each Ray Train worker): the configured one (``MESHRUN_TRAIN_FN`` or
+    ``workers.loop:train``) with ``stop=``, which polls the run channel's ``should_stop`` (a sweep's early stop or
+    a cancelled trial run); the loop all-gathers the votes, so all ranks stop after the same step. A configured
+    function without a ``stop`` parameter runs as is (it cannot be stopped early, only ended)."""
+    path = os.environ.get(TRAIN_FN_ENV) or DEFAULT_TRAIN_FN
+    inner = _load(DEFAULT_TRAIN_FN if path == STOPPABLE_TRAIN_FN else path)
+    try:
+        takes_stop = "stop" in inspect.signature(inner).parameters
+    except (TypeError, ValueError):
+        takes_stop = False
+    result: dict[str, Any]
+    if not takes_stop:
+        result = inner(job, sink=sink, on_checkpoint=on_checkpoint)
+        return result
+    channel = ray.get_actor(channel_name(job.run_id))
+    state = {"at": 0.0, "stop": False}
+
+    def stop() -> bool:
+        now = time.monotonic()
+        if not state["stop"] and now - state["at"] >= STOP_POLL_S:
+            state["at"] = now
+            try:
+                state["stop"] = bool(ray.get(channel.should_stop.remote(), timeout=10))
+            except Exception:
+                pass
+        return bool(state["stop"])
+
+    result = inner(job, sink=sink, on_checkpoint=on_checkpoint, stop=stop)
+    return result

@@ -1,0 +1,381 @@
+"""Run database operations: keyword-only functions over a Session. The caller owns the transaction.
+
+The run state machine lives here (``ALLOWED``): every status change goes through ``transition``, which
+refuses illegal moves with ``Conflict`` and records a ``run_events`` row with its reason.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime
+from typing import Any, TypeVar, overload
+
+from sqlalchemy import and_, func, or_, select, text
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from api.spec import TERMINAL_STATUSES, RunStatus
+from service.errors import Conflict, NotFound
+from service.store.models import Checkpoint, Run, RunAttempt, RunEvent, Sweep, utcnow
+
+# ``total`` of a list is counted up to this many rows (a bounded cost whatever the history); beyond, it is capped
+TOTAL_CAP = 1_000
+
+S = RunStatus
+ALLOWED: dict[RunStatus, frozenset[RunStatus]] = {
+    S.QUEUED: frozenset({S.STARTING, S.CANCELLED, S.FAILED}),
+    S.STARTING: frozenset({S.RUNNING, S.SUCCEEDED, S.FAILED, S.CANCELLED, S.QUEUED}),
+    S.RUNNING: frozenset({S.SUCCEEDED, S.FAILED, S.CANCELLED}),
+    # terminal states only leave through an explicit resume
+    S.SUCCEEDED: frozenset(),
+    S.FAILED: frozenset({S.QUEUED}),
+    S.CANCELLED: frozenset({S.QUEUED}),
+}
+TERMINAL = TERMINAL_STATUSES
+Keyed = TypeVar("Keyed", Run, Sweep)  # tables with ``project`` and ``idempotency_key`` columns
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(6)}"
+
+
+def _as_utc(dt: datetime | None) -> datetime | None:
+    if dt is not None and dt.tzinfo is None:
+        return dt.replace(tzinfo=UTC)
+    return dt
+
+
+# ------------------------------------------------------------------------------------------------- runs
+@overload
+def find_by_idempotency_key(session: Session, *, project: str, key: str) -> Run | None: ...
+
+
+@overload
+def find_by_idempotency_key(session: Session, *, model: type[Keyed], project: str, key: str) -> Keyed | None: ...
+
+
+def find_by_idempotency_key(session: Session, *, model: Any = Run, project: str, key: str) -> Any:
+    """The run (or sweep: ``model``) that this project created with this Idempotency-Key, or None."""
+    return session.scalar(select(model).where(model.project == project, model.idempotency_key == key))
+
+
+def create_run(
+    session: Session,
+    *,
+    spec: dict[str, Any],
+    plan: dict[str, Any] | None,
+    project: str = "default",
+    name: str | None = None,
+    priority: int = 0,
+    created_by: str | None = None,
+    idempotency_key: str | None = None,
+    sweep_id: str | None = None,
+) -> tuple[Run, bool]:
+    """Insert a QUEUED run. Returns (run, created). With an idempotency key already used in this project,
+    returns the existing run and created=False (a retried POST never makes two runs).
+
+    The insert runs in a SAVEPOINT: when a concurrent request with the same key wins the race, only the savepoint
+    is rolled back; the caller's earlier writes in this transaction survive."""
+    if idempotency_key:
+        existing = find_by_idempotency_key(session, model=Run, project=project, key=idempotency_key)
+        if existing is not None:
+            return existing, False
+    run = Run(
+        id=new_id("run"),
+        name=name or spec.get("name", "run"),
+        project=project,
+        status=S.QUEUED.value,
+        priority=priority,
+        spec=spec,
+        plan=plan,
+        created_by=created_by,
+        idempotency_key=idempotency_key,
+        sweep_id=sweep_id,
+        status_reason="waiting for cluster capacity",
+    )
+    if session.get_bind().dialect.name == "sqlite":
+        # pysqlite opens its transaction lazily, on the first INSERT/UPDATE/DELETE. A SAVEPOINT issued before that
+        # would itself be the outermost transaction and its RELEASE would COMMIT the caller's work: make sure the
+        # real transaction is open first (a no-op UPDATE makes pysqlite emit BEGIN).
+        session.execute(text("UPDATE runs SET id = id WHERE 1 = 0"))
+    try:
+        with session.begin_nested():
+            session.add(run)
+            session.add(
+                RunEvent(run_id=run.id, kind="state", to_status=S.QUEUED.value, reason="submitted", actor=created_by)
+            )
+    except IntegrityError:
+        # a concurrent request with the same idempotency key won the race (the savepoint is rolled back)
+        if idempotency_key:
+            existing = find_by_idempotency_key(session, model=Run, project=project, key=idempotency_key)
+            if existing is not None:
+                return existing, False
+        raise
+    return run, True
+
+
+def get_run(session: Session, *, run_id: str, project: str | None = None, lock: bool = False) -> Run:
+    """The run, or NotFound. With ``project``, a run of another project is also NotFound (nothing leaks)."""
+    stmt = select(Run).where(Run.id == run_id)
+    if project is not None:
+        stmt = stmt.where(Run.project == project)
+    if lock:
+        # re-read the row even if this session loaded it before (else a stale status decides the transition)
+        stmt = stmt.with_for_update().execution_options(populate_existing=True)
+        if session.get_bind().dialect.name == "sqlite":
+            # SQLite has no row locks and pysqlite starts transactions lazily: take the database write lock
+            # now (waits up to the busy timeout), so the read below and the write after it are atomic.
+            session.execute(text("UPDATE runs SET id = id WHERE id = :id"), {"id": run_id})
+    run = session.scalar(stmt)
+    if run is None:
+        raise NotFound(f"run '{run_id}' not found", param="run_id")
+    return run
+
+
+def capped_count(session: Session, stmt: Any, *, cap: int = TOTAL_CAP) -> tuple[int, bool]:
+    """(rows of ``stmt`` counted up to ``cap``, whether the count is exact). A bounded cost on any history."""
+    n = session.scalar(select(func.count()).select_from(stmt.limit(cap + 1).subquery())) or 0
+    return min(int(n), cap), n <= cap
+
+
+def newest_first(stmt: Any, model: Any, after: tuple[datetime, str] | None) -> Any:
+    """``stmt`` ordered newest first (created_at, id descending), from after the keyset ``after``."""
+    if after is not None:
+        t, key = after
+        stmt = stmt.where(or_(model.created_at < t, and_(model.created_at == t, model.id < key)))
+    return stmt.order_by(model.created_at.desc(), model.id.desc())
+
+
+def list_runs(
+    session: Session,
+    *,
+    project: str | None = None,
+    status: Sequence[str] | None = None,
+    name: str | None = None,
+    sweep_id: str | None = None,
+    name_contains: str | None = None,
+    limit: int = 50,
+    offset: int = 0,
+    after: tuple[datetime, str] | None = None,
+    count: bool = True,
+) -> tuple[list[Run], int | None, bool]:
+    """Newest first: one page of ``limit`` runs after the keyset ``after`` (created_at, id of the previous page's
+    last run; an index range scan) or after ``offset`` rows. Returns (runs, total counted up to TOTAL_CAP or None
+    without ``count``, whether the total is exact)."""
+    stmt = select(Run)
+    if project is not None:
+        stmt = stmt.where(Run.project == project)
+    if status:
+        stmt = stmt.where(Run.status.in_(list(status)))
+    if name:
+        stmt = stmt.where(Run.name == name)
+    if sweep_id:
+        stmt = stmt.where(Run.sweep_id == sweep_id)
+    if name_contains:
+        stmt = stmt.where(Run.name.icontains(name_contains, autoescape=True))
+    total, exact = capped_count(session, stmt) if count else (None, False)
+    rows = session.scalars(newest_first(stmt, Run, after).limit(limit).offset(offset)).all()
+    return list(rows), total, exact
+
+
+def queued_runs(session: Session) -> list[Run]:
+    """QUEUED runs in admission order: priority high first, FIFO within a priority."""
+    return list(
+        session.scalars(
+            select(Run)
+            .where(Run.status == S.QUEUED.value)
+            .order_by(Run.priority.desc(), Run.created_at.asc(), Run.id.asc())
+        ).all()
+    )
+
+
+def active_runs(session: Session) -> list[Run]:
+    return list(session.scalars(select(Run).where(Run.status.in_([S.STARTING.value, S.RUNNING.value]))).all())
+
+
+def transition(
+    session: Session,
+    *,
+    run_id: str,
+    to: RunStatus | str,
+    reason: str | None = None,
+    actor: str | None = None,
+    allow_from: Iterable[RunStatus | str] | None = None,
+    **fields: Any,
+) -> Run:
+    """Move a run to ``to`` (row-locked), record the event, set timestamps and any extra ``fields``.
+
+    Raises Conflict if the move is not allowed from the current status (or not in ``allow_from``).
+    A move to the status the run already has is a no-op that returns the run.
+    """
+    to = RunStatus(to)
+    run = get_run(session, run_id=run_id, lock=True)
+    cur = RunStatus(run.status)
+    if cur == to and not fields:
+        return run
+    allowed = (
+        ALLOWED[cur] if allow_from is None or cur.value in {RunStatus(s).value for s in allow_from} else frozenset()
+    )
+    if cur != to and to not in allowed:
+        raise Conflict(f"run '{run_id}' is {cur.value}; it cannot become {to.value}", param="status")
+    now = utcnow()
+    if cur != to:
+        run.status = to.value
+        run.status_reason = reason
+        session.add(
+            RunEvent(
+                run_id=run.id,
+                kind="state",
+                from_status=cur.value,
+                to_status=to.value,
+                reason=reason,
+                actor=actor,
+                time=now,
+            )
+        )
+        if to == S.RUNNING and run.started_at is None:
+            run.started_at = now
+        if to in TERMINAL:
+            run.finished_at = now
+        if to == S.QUEUED:
+            # a resumed run starts over: no finish time, no summary or node placement of the previous attempt
+            # (ray_job_id is overwritten by the next submission)
+            run.finished_at = None
+            run.summary = None
+            run.rank_nodes = None
+    for k, v in fields.items():
+        setattr(run, k, v)
+    run.updated_at = now
+    session.flush()
+    return run
+
+
+def end_run(
+    session: Session,
+    *,
+    run_id: str,
+    to: RunStatus | str,
+    reason: str,
+    actor: str | None = None,
+    attempt_cause: str | None = None,
+    **fields: Any,
+) -> Run:
+    """Move a run to a terminal status (``transition``: Conflict when it may not) and end its current attempt with
+    the same status; a failed or cancelled attempt records ``attempt_cause`` (default: the reason) as its end."""
+    to = RunStatus(to)
+    if not to.terminal:
+        raise ValueError(f"end_run needs a terminal status, not {to.value}")
+    run = transition(session, run_id=run_id, to=to, reason=reason, actor=actor, **fields)
+    if run.attempts:
+        cause = None if to == S.SUCCEEDED else (attempt_cause or reason)[:500]
+        finish_attempt(session, run_id=run_id, attempt=run.attempts, status=to.value, cause=cause)
+    return run
+
+
+def set_reason(session: Session, *, run_id: str, reason: str) -> None:
+    """Update the human-readable reason without a state change (e.g. why a run still waits)."""
+    run = get_run(session, run_id=run_id)
+    if run.status_reason != reason:
+        run.status_reason = reason
+        run.updated_at = utcnow()
+
+
+def add_event(session: Session, *, run_id: str, kind: str, reason: str, actor: str | None = None) -> RunEvent:
+    ev = RunEvent(run_id=run_id, kind=kind, reason=reason, actor=actor)
+    session.add(ev)
+    session.flush()
+    return ev
+
+
+def list_events(
+    session: Session,
+    *,
+    run_id: str,
+    kinds: Sequence[str] | None = None,
+    after: tuple[datetime, int] | None = None,
+    limit: int | None = None,
+    newest_first: bool = False,
+) -> list[RunEvent]:
+    """The run's events in time order (``newest_first``: reversed), ``kinds`` only, after the keyset ``after``
+    (time, id of the previous page's last event), at most ``limit``."""
+    stmt = select(RunEvent).where(RunEvent.run_id == run_id)
+    if kinds:
+        stmt = stmt.where(RunEvent.kind.in_(list(kinds)))
+    if after is not None:
+        t, key = after
+        if newest_first:
+            stmt = stmt.where(or_(RunEvent.time < t, and_(RunEvent.time == t, RunEvent.id < key)))
+        else:
+            stmt = stmt.where(or_(RunEvent.time > t, and_(RunEvent.time == t, RunEvent.id > key)))
+    if newest_first:
+        stmt = stmt.order_by(RunEvent.time.desc(), RunEvent.id.desc())
+    else:
+        stmt = stmt.order_by(RunEvent.time.asc(), RunEvent.id.asc())
+    if limit:
+        stmt = stmt.limit(limit)
+    return list(session.scalars(stmt).all())
+
+
+# --------------------------------------------------------------------------------------------- attempts
+def start_attempt(session: Session, *, run_id: str, cause: str, train_run_name: str | None = None) -> RunAttempt:
+    """Record a new attempt (1, 2, ...) and bump the run's counter."""
+    run = get_run(session, run_id=run_id, lock=True)
+    run.attempts = (run.attempts or 0) + 1
+    att = RunAttempt(run_id=run_id, attempt=run.attempts, cause=cause, train_run_name=train_run_name)
+    session.add(att)
+    session.add(RunEvent(run_id=run_id, kind="attempt", reason=f"attempt {run.attempts}: {cause}"))
+    session.flush()
+    return att
+
+
+def finish_attempt(session: Session, *, run_id: str, attempt: int, status: str, cause: str | None = None) -> None:
+    att = session.scalar(select(RunAttempt).where(RunAttempt.run_id == run_id, RunAttempt.attempt == attempt))
+    if att is not None and att.finished_at is None:
+        att.status, att.finished_at = status, utcnow()
+        if cause:
+            att.cause = f"{att.cause}; ended: {cause}" if att.cause else cause
+
+
+def list_attempts(session: Session, *, run_id: str) -> list[RunAttempt]:
+    return list(
+        session.scalars(select(RunAttempt).where(RunAttempt.run_id == run_id).order_by(RunAttempt.attempt)).all()
+    )
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+def add_checkpoint(
+    session: Session, *, run_id: str, attempt: int, step: int, path: str, size_bytes: int | None = None
+) -> Checkpoint:
+    existing = session.scalar(
+        select(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.attempt == attempt, Checkpoint.step == step)
+    )
+    if existing is not None:
+        existing.path, existing.size_bytes = path, size_bytes
+        return existing
+    ck = Checkpoint(run_id=run_id, attempt=attempt, step=step, path=path, size_bytes=size_bytes)
+    session.add(ck)
+    session.flush()
+    return ck
+
+
+def list_checkpoints(
+    session: Session, *, run_id: str, after: tuple[int, int] | None = None, limit: int | None = None
+) -> list[Checkpoint]:
+    """The run's checkpoints by step (then attempt), after the keyset ``after`` = (step, attempt), at most
+    ``limit``."""
+    stmt = select(Checkpoint).where(Checkpoint.run_id == run_id)
+    if after is not None:
+        step, attempt = after
+        stmt = stmt.where(or_(Checkpoint.step > step, and_(Checkpoint.step == step, Checkpoint.attempt > attempt)))
+    stmt = stmt.order_by(Checkpoint.step, Checkpoint.attempt)
+    return list(session.scalars(stmt.limit(limit) if limit else stmt).all())
+
+
+def latest_checkpoint(session: Session, *, run_id: str) -> Checkpoint | None:
+    return session.scalar(
+        select(Checkpoint)
+        .where(Checkpoint.run_id == run_id)
+        .order_by(Checkpoint.step.desc(), Checkpoint.attempt.desc())
+        .limit(1)
+    )

@@ -1,0 +1,345 @@
+"""The sweep driver: the entrypoint of a sweep's Ray Job (``python -m service.sweeps.driver --sweep-id ID``).
+
+It runs a Ray Tune ``Tuner`` over the sweep's PENDING trials (a grid over the trial ids, best predicted first),
+the Train V2 pattern (a trial reserves only its driver; Train makes its own placement group):
+
+- each Tune trial runs ``run_trial`` and reserves only its driver (``TRIAL_RESOURCES``, a sliver of a CPU). A trial
+  IS a run: ``service.sweeps.trials.prepare_trial_run`` creates its ``runs`` row (``sweep_id`` set), and the run
+  goes through the run lifecycle of every run (``service.runs.lifecycle``: RUNNING, its channel drained into
+  attempts, events and per-step metrics, its end) with a stoppable ``TorchTrainer`` (``service.runs.trainer``);
+- concurrency is bounded by ``TuneConfig(max_concurrent_trials=budget.max_concurrent_trials)``;
+- ``run_trial`` reports the running mean of the objective over the post-warm-up steps to Tune (every report
+  carries the metric ``objective``); ``SlowTrialStopper`` (``service.sweeps.stopping``) stops a trial that, after
+  ``grace`` measured steps, reaches less than ``EARLY_STOP_RATIO`` of the best objective another trial measured
+  (gracefully: its workers stop after their current step and the run ends CANCELLED with the reason, the trial
+  EARLY_STOPPED). A trial whose training fails is recorded FAILED with the workers' error, and the sweep goes on
+  (``run_trial`` never raises into Tune, which sidesteps ray#54379); ``TrialRecorder`` (a Tune callback in this
+  process) records trials Tune ended without ``run_trial`` finishing them;
+- at the end ``service.sweeps.execution.finish_sweep``: best trial, calibration of the planner, sweep
+  SUCCEEDED/FAILED. A sweep cancelled meanwhile (the API marks it first, then stops this job) stays CANCELLED.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import ray
+from ray import tune
+from ray._private import ray_constants
+from ray.actor import ActorHandle
+from ray.tune.experiment import Trial as TuneTrial
+from sqlalchemy.orm import Session, sessionmaker
+
+from api.spec import RunStatus, SweepCreate
+from service.runs.lifecycle import Outcome, RunLifecycle
+from service.runs.trainer import build_trainer, train_run_name
+from service.settings import Settings
+from service.store.db import session_scope, shared_sessionmaker
+from service.sweeps.execution import DRIVER_ACTOR, finish_sweep
+from service.sweeps.measurement import Measurement
+from service.sweeps.state import SweepStatus, TrialStatus, get_sweep, list_trials, transition_sweep
+from service.sweeps.stopping import METRIC, TIME_ATTR, GracefulStop, SlowTrialStopper
+from service.sweeps.trials import (
+    TrialRun,
+    close_trial,
+    conclude_trial,
+    early_stop_reason,
+    observe_trial,
+    prepare_trial_run,
+)
+
+logger = logging.getLogger("meshrun.sweep_driver")
+
+TRIAL_RESOURCES = {"CPU": 0.01}
+REPORT_INTERVAL_S = 0.5
+STOP_WAIT_S = 90.0
+DASHBOARD_ENV = "MESHRUN_DASHBOARD_URL"
+GCS_ADDRESS_ENV = "MESHRUN_RAY_GCS_ADDRESS"
+JOB_ID_ENVS = ("MESHRUN_RAY_JOB_ID", "RAY_JOB_SUBMISSION_ID", "RAY_SUBMISSION_ID")
+
+__all__ = ["SlowTrialStopper", "TrialRecorder", "main", "run_sweep", "run_trial"]
+
+
+# ------------------------------------------------------------------------------------------ callback
+class TrialRecorder(tune.Callback):
+    """Runs in this (driver) process: records trials Tune ended without ``run_trial`` finishing them (early
+    stopped, errored, killed): trial status and reason, measurements, the run ended."""
+
+    def __init__(self, database_url: str, sweep_id: str, stopper: SlowTrialStopper | None):
+        # only plain data: Tune pickles its callbacks with the experiment state
+        self.database_url, self.sweep_id, self.stopper = database_url, sweep_id, stopper
+
+    @property
+    def factory(self) -> sessionmaker[Session]:
+        return shared_sessionmaker(self.database_url)
+
+    def on_trial_complete(self, iteration: int, trials: list[TuneTrial], trial: TuneTrial, **info: Any) -> None:
+        self._close(trial, error=None)
+
+    def on_trial_error(self, iteration: int, trials: list[TuneTrial], trial: TuneTrial, **info: Any) -> None:
+        err = "the Tune trial failed"
+        path = trial.error_file
+        try:
+            if path and Path(path).exists():
+                lines = [ln for ln in Path(path).read_text().splitlines() if ln.strip()]
+                err = " ".join(lines[-3:])[-1500:] or err
+        except OSError:
+            pass
+        self._close(trial, error=err)
+
+    def _close(self, trial: TuneTrial, *, error: str | None) -> None:
+        try:
+            close_trial(
+                self.factory,
+                self.sweep_id,
+                int(trial.config["trial_id"]),
+                early_stop_reason=self.stopper.reasons.get(trial.trial_id) if self.stopper else None,
+                error=error,
+            )
+        except Exception:
+            logger.exception("recording trial %s failed", trial)
+
+
+# --------------------------------------------------------------------------------------------- trial
+def _report(m: Measurement, objective: str, *, run_id: str | None, final: bool, failed: bool = False) -> None:
+    value = m.objective(objective)
+    tune.report(
+        {
+            METRIC: float(value or 0.0),
+            TIME_ATTR: m.steps_measured,
+            "step": m.steps_done,
+            "run_id": run_id,
+            "final": final,
+            "failed": failed,
+        }
+    )
+
+
+def _follow(life: RunLifecycle, tr: TrialRun, channel: ActorHandle, fitter: threading.Thread) -> RunStatus | None:
+    """While the trial trains: report new measured steps to Tune; a run ended meanwhile by someone else (its
+    cancel, the sweep's) asks the workers to stop. Returns that external status (None: it was not ended)."""
+    reported, external, stop_sent_at = 0, None, None
+    while fitter.is_alive():
+        fitter.join(REPORT_INTERVAL_S)
+        run_status, m = observe_trial(life.factory, tr)
+        if run_status.terminal and external is None:
+            external = run_status
+            channel.request_stop.remote()
+            stop_sent_at = time.monotonic()
+        if stop_sent_at is not None:
+            if time.monotonic() - stop_sent_at > STOP_WAIT_S:
+                logger.warning(
+                    "trial %s: workers did not stop within %.0fs; leaving them to Tune", tr.trial_id, STOP_WAIT_S
+                )
+                break
+            continue
+        if m.steps_measured > reported and m.objective(tr.objective) is not None:
+            reported = m.steps_measured
+            _report(m, tr.objective, run_id=tr.run_id, final=False)
+    return external
+
+
+def run_trial(config: dict[str, Any]) -> None:
+    """One Tune trial = one run: a stoppable TorchTrainer trained through the run lifecycle, the objective
+    reported to Tune.
+
+    Stops (the scheduler's early stop, a cancelled trial run) go through the run channel: the workers stop after
+    their current step and ``fit()`` returns normally, releasing the Train placement group."""
+    settings = Settings()
+    factory = shared_sessionmaker(settings.database_url)
+    tune_trial_id = tune.get_context().get_trial_id()
+    tr = prepare_trial_run(
+        factory,
+        config["sweep_id"],
+        int(config["trial_id"]),
+        job_id=config.get("job_id"),
+        tune_trial_id=tune_trial_id,
+        dashboard_url=config.get("dashboard_url"),
+    )
+    if tr is None:
+        tune.report({METRIC: 0.0, TIME_ATTR: 0, "final": True, "failed": True, "not_run": True})
+        return
+    name = train_run_name(tr.run_id, 1)
+    life = RunLifecycle(factory, tr.run_id, actor=DRIVER_ACTOR, warmup_steps=tr.warmup_steps, train_run_name=name)
+    life.start(f"trial driver started (Tune trial {tune_trial_id})")
+    box: dict[str, Any] = {}
+    t0 = time.time()
+    with life.channel(first_attempt=1) as channel:
+
+        def fit() -> None:
+            try:
+                build_trainer(
+                    run_id=tr.run_id,
+                    run_name=tr.run_name,
+                    resume_from=None,
+                    spec=tr.spec,
+                    plan=tr.plan,
+                    placement=None,
+                    channel=channel,
+                    settings=settings,
+                    train_run_name=name,
+                    stoppable=True,
+                ).fit()
+                box["ok"] = True
+            except BaseException as e:
+                box["error"] = e
+
+        fitter = threading.Thread(target=fit, daemon=True, name="trial-fit")
+        fitter.start()
+        external = _follow(life, tr, channel, fitter)
+    try:
+        stop_requested = bool(ray.get(channel.should_stop.remote(), timeout=10))
+    except Exception:
+        stop_requested = False
+    if external is not None:
+        outcome = Outcome(None, f"run ended externally ({external.value})")
+    elif box.get("ok") and stop_requested:
+        outcome = Outcome(RunStatus.CANCELLED, early_stop_reason(factory, tr.trial_id))
+    elif box.get("ok"):
+        outcome = Outcome.succeeded()
+    elif "error" in box:
+        logger.error("trial %s failed: %s", tr.trial_id, box["error"])
+        outcome = life.failed(box["error"])
+    else:
+        outcome = Outcome(RunStatus.FAILED, "training ended without a result")
+    life.finish(outcome, wall_s=time.time() - t0)
+    m = conclude_trial(factory, tr, outcome, external=external)
+    try:
+        ray.kill(channel)  # the Train run has ended; nothing reports to the channel any more
+    except Exception:
+        pass
+    _report(
+        m,
+        tr.objective,
+        run_id=tr.run_id,
+        final=True,
+        failed=outcome.status not in (RunStatus.SUCCEEDED, RunStatus.CANCELLED),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- sweep
+def _job_id() -> str | None:
+    """This Ray Job's submission id (Ray passes it in the driver's job config metadata, not as a variable)."""
+    found = next((os.environ[k] for k in JOB_ID_ENVS if os.environ.get(k)), None)
+    if found:
+        return found
+    try:
+        cfg = json.loads(os.environ.get(ray_constants.RAY_JOB_CONFIG_JSON_ENV_VAR) or "{}")  # type: ignore[attr-defined]
+        return (cfg.get("metadata") or {}).get("job_submission_id") or None
+    except Exception:
+        return None
+
+
+def run_sweep(settings: Settings, sweep_id: str) -> str:
+    """Run the sweep's Tuner; returns how the Tuner ended ('done' | 'cancelled: ...')."""
+    factory = shared_sessionmaker(settings.database_url)
+    job_id = _job_id()
+    with session_scope(factory) as s:
+        sweep = get_sweep(s, sweep_id=sweep_id)
+        if sweep.status in SweepStatus.TERMINAL:
+            return "done"
+        job_id = job_id or sweep.ray_job_id
+        create = SweepCreate.model_validate(sweep.spec)
+        pending = list_trials(s, sweep_id=sweep_id, status=TrialStatus.PENDING)
+        pending.sort(key=lambda t: (-(t.predicted_tokens_per_s or 0.0), t.id))
+        ids = [t.id for t in pending]
+        transition_sweep(
+            s,
+            sweep=sweep,
+            to=SweepStatus.RUNNING,
+            reason=f"running {len(ids)} trials with Ray Tune (Ray Job {job_id})",
+            actor=DRIVER_ACTOR,
+            **({"ray_job_id": job_id} if job_id else {}),
+        )
+    if not ids:
+        return "done"
+    # the explicit GCS address: "auto" resolution can pick another cluster on a shared machine
+    ray.init(address=os.environ.get(GCS_ADDRESS_ENV) or None, logging_level=logging.WARNING, log_to_driver=True)
+    measured = create.budget.steps_per_trial - create.budget.warmup_steps
+    stopper = (
+        SlowTrialStopper(grace_steps=max(1, measured // 2), on_stop=GracefulStop(settings.database_url))
+        if create.early_stopping
+        else None
+    )
+    storage = Path(settings.data_dir) / "tune"
+    storage.mkdir(parents=True, exist_ok=True)
+    tuner = tune.Tuner(
+        tune.with_resources(run_trial, TRIAL_RESOURCES),
+        param_space={
+            "sweep_id": sweep_id,
+            "job_id": job_id,
+            "dashboard_url": os.environ.get(DASHBOARD_ENV),
+            "trial_id": tune.grid_search(ids),
+        },
+        tune_config=tune.TuneConfig(
+            metric=METRIC,
+            mode="max",
+            max_concurrent_trials=create.budget.max_concurrent_trials,
+            scheduler=stopper,
+            reuse_actors=False,
+        ),
+        run_config=tune.RunConfig(
+            name=f"{sweep_id}-{int(time.time())}",
+            storage_path=str(storage),
+            verbose=0,
+            callbacks=[TrialRecorder(settings.database_url, sweep_id, stopper)],
+            failure_config=tune.FailureConfig(max_failures=0),
+        ),
+    )
+    try:
+        tuner.fit()
+    except KeyboardInterrupt as e:
+        return f"cancelled: sweep driver stopped ({e})"
+    return "done"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="meshrun sweep driver (a Ray Job entrypoint)")
+    ap.add_argument("--sweep-id", required=True)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = Settings()
+    terminated: list[int] = []
+
+    def _on_term(signum: int, _frame: FrameType | None) -> None:
+        terminated.append(signum)
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _on_term)
+    t0 = time.time()
+    failure: str | None = None
+    cancelled: str | None = None
+    try:
+        how = run_sweep(settings, args.sweep_id)
+    except KeyboardInterrupt as e:
+        how = f"cancelled: sweep driver stopped ({e})"
+    except Exception as e:
+        logger.exception("sweep %s failed", args.sweep_id)
+        how, failure = "failed", f"{type(e).__name__}: {e}"
+    if terminated and not how.startswith("cancelled"):  # Tune swallowed the interrupt: the job was stopped
+        how = f"cancelled: Ray Job stopped (signal {terminated[0]})"
+    if how.startswith("cancelled"):
+        cancelled = how.split(": ", 1)[1]
+    sweep = finish_sweep(
+        shared_sessionmaker(settings.database_url), args.sweep_id, failure=failure, cancelled=cancelled
+    )
+    logger.info("sweep %s: %s (%s) in %.1fs", args.sweep_id, sweep.status, sweep.status_reason, time.time() - t0)
+    return 0 if sweep.status == SweepStatus.SUCCEEDED else 1
+
+
+if __name__ == "__main__":
+    # run from the imported module, not __main__: Tune pickles ``run_trial`` and the callbacks, which must be
+    # importable by reference in the trial actors
+    from service.sweeps.driver import main as _main
+
+    sys.exit(_main())

@@ -1,0 +1,259 @@
+"""The sweep and trial state machines, their stored transitions, and the sweep/trial store.
+
+Like runs (``service.store.runs``), every status change of a sweep or a trial goes through ``transition_sweep`` /
+``transition_trial``, which refuse illegal moves with ``Conflict`` and record a ``sweep_events`` row (``trial_id``
+set for a trial) with the reason and the actor. Events without a state change (a submission, a stop request) are
+``add_sweep_event`` rows of another ``kind``.
+
+Sweep: QUEUED -> RUNNING -> SUCCEEDED | FAILED | CANCELLED; a QUEUED sweep may also fail (its driver was lost) or be
+cancelled. Trial: created PENDING or SKIPPED (with the reason); PENDING -> RUNNING -> SUCCEEDED | FAILED |
+EARLY_STOPPED | CANCELLED; a PENDING trial may also be CANCELLED or FAILED (the sweep ended before it ran). Terminal
+states never change.
+
+Keyword-only functions over a Session; the caller owns the transaction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from api.spec import Layout, SweepCreate, SweepEventPublic, SweepPublic, TrialPublic
+from service.errors import Conflict, NotFound
+from service.store import new_id
+from service.store.models import Sweep, SweepEvent, Trial, utcnow
+from service.store.runs import capped_count, newest_first
+
+
+class SweepStatus:
+    QUEUED = "QUEUED"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    ALL = ("QUEUED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED")
+    TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
+
+
+class TrialStatus:
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    EARLY_STOPPED = "EARLY_STOPPED"
+    SKIPPED = "SKIPPED"
+    CANCELLED = "CANCELLED"
+    TERMINAL = frozenset({"SUCCEEDED", "FAILED", "EARLY_STOPPED", "SKIPPED", "CANCELLED"})
+    MEASURED = frozenset({"SUCCEEDED", "EARLY_STOPPED"})
+
+
+SWEEP_ALLOWED: dict[str, frozenset[str]] = {
+    SweepStatus.QUEUED: frozenset({SweepStatus.RUNNING, SweepStatus.FAILED, SweepStatus.CANCELLED}),
+    SweepStatus.RUNNING: frozenset({SweepStatus.SUCCEEDED, SweepStatus.FAILED, SweepStatus.CANCELLED}),
+    SweepStatus.SUCCEEDED: frozenset(),
+    SweepStatus.FAILED: frozenset(),
+    SweepStatus.CANCELLED: frozenset(),
+}
+TRIAL_ALLOWED: dict[str, frozenset[str]] = {
+    TrialStatus.PENDING: frozenset({TrialStatus.RUNNING, TrialStatus.CANCELLED, TrialStatus.FAILED}),
+    TrialStatus.RUNNING: frozenset(
+        {TrialStatus.SUCCEEDED, TrialStatus.FAILED, TrialStatus.EARLY_STOPPED, TrialStatus.CANCELLED}
+    ),
+    **{s: frozenset() for s in TrialStatus.TERMINAL},
+}
+TRIAL_INITIAL = frozenset({TrialStatus.PENDING, TrialStatus.SKIPPED})
+
+
+# ------------------------------------------------------------------------------------------- transitions
+def transition_sweep(
+    session: Session, *, sweep: Sweep, to: str, reason: str, actor: str | None = None, **fields: Any
+) -> Sweep:
+    """Move ``sweep`` to ``to`` (Conflict when the state machine forbids it), record the event, set its reason,
+    timestamps and any extra ``fields``. A move to the status it has is a no-op (the fields are still set)."""
+    cur = sweep.status
+    if to != cur and to not in SWEEP_ALLOWED[cur]:
+        raise Conflict(f"sweep '{sweep.id}' is {cur}; it cannot become {to}", param="status")
+    now = utcnow()
+    if to != cur:
+        sweep.status, sweep.status_reason = to, reason
+        session.add(SweepEvent(sweep_id=sweep.id, from_status=cur, to_status=to, reason=reason, actor=actor, time=now))
+        if to in SweepStatus.TERMINAL:
+            sweep.finished_at = now
+    for k, v in fields.items():
+        setattr(sweep, k, v)
+    sweep.updated_at = now
+    session.flush()
+    return sweep
+
+
+def transition_trial(session: Session, *, trial: Trial, to: str, reason: str | None, actor: str | None = None) -> Trial:
+    """Move ``trial`` to ``to`` (Conflict when the state machine forbids it) with ``reason`` on the trial (None
+    clears it) and record the event."""
+    cur = trial.status
+    if to != cur and to not in TRIAL_ALLOWED[cur]:
+        raise Conflict(f"trial {trial.id} of sweep '{trial.sweep_id}' is {cur}; it cannot become {to}", param="status")
+    if to != cur:
+        session.add(
+            SweepEvent(
+                sweep_id=trial.sweep_id, trial_id=trial.id, from_status=cur, to_status=to, reason=reason, actor=actor
+            )
+        )
+    trial.status, trial.reason = to, reason
+    session.flush()
+    return trial
+
+
+def add_trial(
+    session: Session, *, sweep: Sweep, status: str, reason: str | None, actor: str | None = None, **fields: Any
+) -> Trial:
+    """A new trial of ``sweep`` (PENDING or SKIPPED) with its creation event."""
+    if status not in TRIAL_INITIAL:
+        raise ValueError(f"a trial starts PENDING or SKIPPED, not {status}")
+    trial = Trial(sweep_id=sweep.id, status=status, reason=reason, **fields)
+    session.add(trial)
+    session.flush()
+    session.add(SweepEvent(sweep_id=sweep.id, trial_id=trial.id, to_status=status, reason=reason, actor=actor))
+    return trial
+
+
+def add_sweep_event(
+    session: Session, *, sweep_id: str, kind: str, reason: str, actor: str | None = None, trial_id: int | None = None
+) -> SweepEvent:
+    ev = SweepEvent(sweep_id=sweep_id, trial_id=trial_id, kind=kind, reason=reason, actor=actor)
+    session.add(ev)
+    session.flush()
+    return ev
+
+
+def set_sweep_reason(session: Session, *, sweep: Sweep, reason: str) -> None:
+    """Update the human-readable reason without a state change (why a sweep still waits)."""
+    if sweep.status_reason != reason:
+        sweep.status_reason = reason
+        sweep.updated_at = utcnow()
+
+
+# ------------------------------------------------------------------------------------------------ store
+def new_sweep_id() -> str:
+    return new_id("sweep")
+
+
+def get_sweep(session: Session, *, sweep_id: str, project: str | None = None, lock: bool = False) -> Sweep:
+    """The sweep, or NotFound (a sweep of another project too). ``lock``: re-read it (a stale status must not
+    decide a transition)."""
+    stmt = select(Sweep).where(Sweep.id == sweep_id)
+    if project is not None:
+        stmt = stmt.where(Sweep.project == project)
+    if lock:
+        stmt = stmt.execution_options(populate_existing=True)
+    sweep = session.scalar(stmt)
+    if sweep is None:
+        raise NotFound(f"sweep '{sweep_id}' not found", param="sweep_id")
+    return sweep
+
+
+def get_trial(session: Session, *, trial_id: int, fresh: bool = False) -> Trial | None:
+    """The trial or None; ``fresh``: re-read it from the database."""
+    return session.get(Trial, trial_id, populate_existing=fresh)
+
+
+def trial_of_run(session: Session, *, run_id: str) -> Trial | None:
+    return session.scalar(select(Trial).where(Trial.run_id == run_id))
+
+
+def list_sweeps(
+    session: Session,
+    *,
+    project: str | None = None,
+    status: Sequence[str] | None = None,
+    limit: int = 50,
+    offset: int = 0,
+    after: tuple[datetime, str] | None = None,
+) -> tuple[list[Sweep], int, bool]:
+    """Newest first, a page after the keyset ``after`` (created_at, id) or ``offset``; (sweeps, total counted up to
+    store.TOTAL_CAP, whether it is exact)."""
+    stmt = select(Sweep)
+    if project is not None:
+        stmt = stmt.where(Sweep.project == project)
+    if status:
+        stmt = stmt.where(Sweep.status.in_([s.upper() for s in status]))
+    total, exact = capped_count(session, stmt)
+    rows = session.scalars(newest_first(stmt, Sweep, after).limit(limit).offset(offset)).all()
+    return list(rows), total, exact
+
+
+def sweeps_in(session: Session, *, statuses: Sequence[str], with_job: bool = False) -> list[Sweep]:
+    """Sweeps in these statuses, oldest first (``with_job``: only those submitted as a Ray Job)."""
+    stmt = select(Sweep).where(Sweep.status.in_(list(statuses)))
+    if with_job:
+        stmt = stmt.where(Sweep.ray_job_id.is_not(None))
+    return list(session.scalars(stmt.order_by(Sweep.created_at, Sweep.id)).all())
+
+
+def list_trials(session: Session, *, sweep_id: str, status: str | None = None) -> list[Trial]:
+    stmt = select(Trial).where(Trial.sweep_id == sweep_id)
+    if status is not None:
+        stmt = stmt.where(Trial.status == status)
+    return list(session.scalars(stmt.order_by(Trial.id)).all())
+
+
+def list_sweep_events(session: Session, *, sweep_id: str) -> list[SweepEvent]:
+    return list(
+        session.scalars(
+            select(SweepEvent)
+            .where(SweepEvent.sweep_id == sweep_id)
+            .order_by(SweepEvent.time.asc(), SweepEvent.id.asc())
+        ).all()
+    )
+
+
+# ---------------------------------------------------------------------------------------------- public
+def _utc(dt: datetime | None) -> datetime | None:
+    if dt is not None and dt.tzinfo is None:
+        return dt.replace(tzinfo=UTC)
+    return dt
+
+
+def trial_public(t: Trial) -> TrialPublic:
+    return TrialPublic(
+        id=t.id,
+        run_id=t.run_id,
+        layout=Layout.model_validate(t.layout),
+        micro_batch_size=t.micro_batch_size,
+        status=t.status,
+        reason=t.reason,
+        predicted_tokens_per_s=t.predicted_tokens_per_s,
+        measured_tokens_per_s=t.measured_tokens_per_s,
+        measured_mfu=t.measured_mfu,
+        peak_memory_bytes=t.peak_memory_bytes,
+    )
+
+
+def sweep_public(session: Session, sweep: Sweep) -> SweepPublic:
+    trials = list_trials(session, sweep_id=sweep.id)
+    pub = [trial_public(t) for t in trials]
+    best = next((p for p in pub if p.id == sweep.best_trial_id), None) if sweep.best_trial_id else None
+    return SweepPublic(
+        id=sweep.id,
+        name=sweep.name,
+        project=sweep.project,
+        status=sweep.status,
+        status_reason=sweep.status_reason,
+        objective=sweep.objective,
+        spec=SweepCreate.model_validate(sweep.spec),
+        trials=pub,
+        best_trial=best,
+        calibration=sweep.calibration,
+        ray_job_id=sweep.ray_job_id,
+        created_at=sweep.created_at if sweep.created_at.tzinfo else sweep.created_at.replace(tzinfo=UTC),
+        updated_at=sweep.updated_at if sweep.updated_at.tzinfo else sweep.updated_at.replace(tzinfo=UTC),
+        finished_at=_utc(sweep.finished_at),
+    )
+
+
+def sweep_event_public(e: SweepEvent) -> SweepEventPublic:
+    ev = SweepEventPublic.model_validate(e)
+    return ev.model_copy(update={"time": _utc(e.time)})
