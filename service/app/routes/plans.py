@@ -123,7 +123,9 @@ async def create_plan(req: PlanRequest, runtime: RuntimeDep, factory: SessionFac
     busy with other searches."""
     bad = _unencodable(req.model_dump())
     if bad:
-        raise SpecError([SpecIssue(bad, f"{bad} is not valid Unicode (a lone surrogate); fix the text", "invalid_value")])
+        raise SpecError(
+            [SpecIssue(bad, f"{bad} is not valid Unicode (a lone surrogate); fix the text", "invalid_value")]
+        )
     if not limiter.try_acquire():
         raise Unavailable(
             f"the planner is busy with {limiter.slots} searches; retry in {RETRY_AFTER_S} s",
