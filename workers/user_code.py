@@ -75,7 +75,7 @@ def import_entrypoint(entrypoint: str, *, param: str = "model.entrypoint") -> Ca
     """``'pkg.module:function'`` -> the callable (importlib only). Raises UserCodeError naming ``param``."""
     from api.spec import ENTRYPOINT_RE
 
-    if not isinstance(entrypoint, str) or not ENTRYPOINT_RE.match(entrypoint):
+    if not isinstance(entrypoint, str) or not ENTRYPOINT_RE.fullmatch(entrypoint):
         raise UserCodeError(param, f"'{entrypoint}' must look like 'package.module:function' (identifiers only)")
     mod_name, _, attr = entrypoint.partition(":")
     try:

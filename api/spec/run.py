@@ -50,7 +50,7 @@ class ModelSpec(_Spec):
     @field_validator("entrypoint")
     @classmethod
     def _entrypoint_shape(cls, v: str | None) -> str | None:
-        if v is not None and not ENTRYPOINT_RE.match(v):
+        if v is not None and not ENTRYPOINT_RE.fullmatch(v):
             raise ValueError("entrypoint must look like 'package.module:function' (identifiers only)")
         return v
 
@@ -70,7 +70,7 @@ class DataSpec(_Spec):
     @field_validator("entrypoint")
     @classmethod
     def _entrypoint_shape(cls, v: str | None) -> str | None:
-        if v is not None and not ENTRYPOINT_RE.match(v):
+        if v is not None and not ENTRYPOINT_RE.fullmatch(v):
             raise ValueError("entrypoint must look like 'package.module:function' (identifiers only)")
         return v
 
@@ -247,7 +247,7 @@ class RunSpec(_Spec):
     @field_validator("name")
     @classmethod
     def _name_shape(cls, v: str) -> str:
-        if not NAME_RE.match(v):
+        if not NAME_RE.fullmatch(v):
             raise ValueError(
                 "name must be 1-128 characters of letters, digits, '.', '_' or '-', starting with a letter or digit"
             )

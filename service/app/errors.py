@@ -21,6 +21,7 @@ anything else                           500     ``internal_error`` (logged with 
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -90,6 +91,18 @@ class ApiError(StarletteHTTPException):
         self.param = param
 
 
+class SafeJSONResponse(JSONResponse):
+    """The app's JSON response: text the request brought in (a lone surrogate such as ``"\\ud800"`` echoed in a
+    message or a stored label) cannot be UTF-8 encoded as is; it is then sent as ASCII JSON with ``\\uXXXX``
+    escapes (valid JSON, the same value), never a 500."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 def error_body(code: str, message: str, param: str | None = None) -> dict[str, Any]:
     return ErrorBody.model_validate({"error": {"code": code, "message": message, "param": param}}).model_dump()
 
@@ -97,7 +110,7 @@ def error_body(code: str, message: str, param: str | None = None) -> dict[str, A
 def error_response(
     status_code: int, code: str, message: str, param: str | None = None, *, headers: Mapping[str, str] | None = None
 ) -> JSONResponse:
-    return JSONResponse(
+    return SafeJSONResponse(
         error_body(code, message, param), status_code=status_code, headers=dict(headers) if headers else None
     )
 

@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.app.console import install_console
 from service.app.deps import auth_dependencies
-from service.app.errors import ApiError, error_response, error_responses, install_error_handlers
+from service.app.errors import ApiError, SafeJSONResponse, error_response, error_responses, install_error_handlers
 from service.app.observability import configure_logging, instrument_app
 from service.app.ratelimit import RateLimiter
 from service.app.routes import cluster, health, plans, runs, sweeps
@@ -151,6 +151,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         title="meshrun",
         version=VERSION,
         lifespan=lifespan,
+        default_response_class=SafeJSONResponse,
         docs_url=None,  # served offline by the console (vendored Swagger UI and ReDoc)
         redoc_url=None,
         openapi_url="/openapi.json",

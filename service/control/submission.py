@@ -114,7 +114,7 @@ def submit_run(
     idempotency_key: str | None = None,
 ) -> tuple[Run, bool]:
     """Validate, plan and store a QUEUED run. Returns (run, created); created=False for an idempotent retry."""
-    check_spec_policy(spec, can_run_code=can_run_code, settings=settings)
+    spec = check_spec_policy(spec, can_run_code=can_run_code, settings=settings)
     spec_json = spec.model_dump(mode="json")
     if idempotency_key:
         existing = store.find_by_idempotency_key(session, model=Run, project=project, key=idempotency_key)

@@ -78,7 +78,9 @@ def build_trainer(
 
     scaling = scaling_config(plan, placement)
     storage = spec.checkpoint.storage or str(settings.checkpoint_root)
-    if "://" not in storage:
+    if "://" not in storage:  # a local directory: relative ones lie under data_dir, as the path policy reads them
+        local = Path(storage).expanduser()
+        storage = str(local if local.is_absolute() else Path(settings.data_dir) / local)
         Path(storage).mkdir(parents=True, exist_ok=True)
     config = {
         "run_id": run_id,

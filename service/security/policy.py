@@ -8,28 +8,13 @@ entrypoints are validated as dotted identifiers (``api.spec``) and imported by t
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from api.spec import RunSpec
-from service.errors import MeshrunError
+from service.security.paths import PolicyViolation, decide_path
 from service.settings import Settings
 
-_SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-
-
-class PolicyViolation(MeshrunError):
-    """403 (``forbidden``: user code without permission) or 422 (``invalid_path``: a path or URL not allowed)."""
-
-    def __init__(self, status_code: int, code: str, message: str, param: str | None = None):
-        super().__init__(message, status_code=status_code, code=code, param=param)
-
-
-@dataclass(frozen=True)
-class _PathRule:
-    param: str
-    value: str | None
+__all__ = ["PolicyViolation", "check_code_dir", "check_spec_policy", "resolve_code_dir", "uses_user_code"]
 
 
 def uses_user_code(spec: RunSpec) -> str | None:
@@ -43,60 +28,10 @@ def uses_user_code(spec: RunSpec) -> str | None:
     return None
 
 
-def check_path(value: str, *, param: str, settings: Settings, restrict_roots: bool) -> None:
-    """Validate a path or URL named in a spec. Raises PolicyViolation(422)."""
-    if any(ord(c) < 32 or ord(c) == 127 for c in value):
-        raise PolicyViolation(
-            422, "invalid_path", f"{param} contains control characters (NUL, newline, ...); remove them", param
-        )
-    if not value.strip():
-        raise PolicyViolation(422, "invalid_path", f"{param} is empty; give a path or remove the field", param)
-    m = _SCHEME_RE.match(value)
-    path = value
-    if m:
-        scheme = m.group(1).lower()
-        if scheme not in settings.allowed_url_schemes:
-            raise PolicyViolation(
-                422,
-                "invalid_path",
-                f"{param}: URL scheme '{scheme}' is not allowed; use one of "
-                f"{sorted(settings.allowed_url_schemes)} or a plain path",
-                param,
-            )
-        if scheme != "file":
-            if ".." in PurePosixPath(value[m.end() :]).parts:
-                raise PolicyViolation(422, "invalid_path", f"{param} must not contain '..' components", param)
-            return
-        path = value[m.end() :]
-    parts = PurePosixPath(path.replace("\\", "/")).parts
-    if ".." in parts:
-        raise PolicyViolation(
-            422,
-            "invalid_path",
-            f"{param} must not contain '..' components (no traversal out of "
-            "the storage root); give the path without them",
-            param,
-        )
-    if restrict_roots and (path.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", path)):
-        roots = [settings.data_dir, settings.checkpoint_root, *settings.allowed_path_roots]
-        p = PurePosixPath(path)
-        if not any(root is not None and _is_under(p, PurePosixPath(str(root))) for root in roots):
-            shown = ", ".join(str(r) for r in roots if r is not None)
-            raise PolicyViolation(
-                422,
-                "invalid_path",
-                f"{param}='{value}' is outside the allowed storage roots "
-                f"({shown}); use a relative path, a path under them, or an object-store URL",
-                param,
-            )
-
-
-def _is_under(p: PurePosixPath, root: PurePosixPath) -> bool:
-    return p == root or root in p.parents
-
-
-def check_spec_policy(spec: RunSpec, *, can_run_code: bool, settings: Settings) -> None:
-    """Refuse what the caller may not submit (user code without permission; paths out of bounds)."""
+def check_spec_policy(spec: RunSpec, *, can_run_code: bool, settings: Settings) -> RunSpec:
+    """Refuse what the caller may not submit (user code without permission; paths out of bounds). Returns the spec
+    to store: for a caller held to the storage roots, its paths replaced by the normalised absolute paths that
+    were checked (so the workers open exactly those)."""
     code_field = uses_user_code(spec)
     if code_field and not can_run_code:
         raise PolicyViolation(
@@ -106,19 +41,29 @@ def check_spec_policy(spec: RunSpec, *, can_run_code: bool, settings: Settings) 
             "a token created with --can-run-code, or use a built-in model and data source",
             code_field,
         )
-    restrict = settings.auth_enabled
+    # tokens that may run code can read any file their code could; code.working_dir is read by the service itself
+    # (from its own filesystem), so it stays under the roots for every caller when auth is on
+    restricted = settings.auth_enabled and not can_run_code
     code_dir = spec.code.working_dir if spec.code is not None else None
-    for rule in (
-        _PathRule("data.path", spec.data.path),
-        _PathRule("checkpoint.storage", spec.checkpoint.storage),
-        _PathRule("code.working_dir", code_dir),
-    ):
-        if rule.value is not None:
-            check_path(rule.value, param=rule.param, settings=settings, restrict_roots=restrict)
-    if code_dir is not None:  # the service ships user code from its own filesystem
+    data_path = spec.data.path
+    storage = spec.checkpoint.storage
+    if data_path is not None:
+        data_path = decide_path(data_path, param="data.path", settings=settings, restricted=restricted)
+    if storage is not None:
+        storage = decide_path(storage, param="checkpoint.storage", settings=settings, restricted=restricted)
+    if code_dir is not None:
+        decide_path(code_dir, param="code.working_dir", settings=settings, restricted=settings.auth_enabled)
         why = check_code_dir(spec, settings)
         if why:
             raise PolicyViolation(422, "invalid_path", why, "code.working_dir")
+    if (data_path, storage) == (spec.data.path, spec.checkpoint.storage):
+        return spec
+    return spec.model_copy(
+        update={
+            "data": spec.data.model_copy(update={"path": data_path}),
+            "checkpoint": spec.checkpoint.model_copy(update={"storage": storage}),
+        }
+    )
 
 
 def resolve_code_dir(working_dir: str, settings: Settings) -> Path:

@@ -41,9 +41,9 @@ def hash_secret(secret: str) -> str:
 def create_token(session: Session, project: str, name: str, admin: bool = False, can_run_code: bool = False) -> str:
     """Create a token for ``project`` and return its secret (shown once; only its hash is stored).
     The caller commits (``service.store.db.session_scope``)."""
-    if not PROJECT_RE.match(project):
+    if not PROJECT_RE.fullmatch(project):
         raise ValueError(f"project '{project}' must be 1-64 letters, digits, '.', '_' or '-'")
-    if not TOKEN_NAME_RE.match(name):
+    if not TOKEN_NAME_RE.fullmatch(name):
         raise ValueError(f"token name '{name}' must be 1-128 letters, digits, '.', '_', '@' or '-'")
     secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
     session.add(

@@ -288,6 +288,9 @@ def create_sweep(
 ) -> tuple[Sweep, bool]:
     """Validate and expand a sweep, store it QUEUED with its trials. Returns (sweep, created); created=False for
     an idempotent retry. Raises SpecError (422) when nothing can run, PolicyViolation (403/422) like a run."""
+    create = create.model_copy(
+        update={"base": check_spec_policy(create.base, can_run_code=can_run_code, settings=settings)}
+    )
     spec_json = create.model_dump(mode="json")
     if idempotency_key:
         existing = store.find_by_idempotency_key(session, model=Sweep, project=project, key=idempotency_key)
@@ -299,7 +302,7 @@ def create_sweep(
                     param="Idempotency-Key",
                 )
             return existing, False
-    if not NAME_RE.match(create.name) or len(create.name) > 100:
+    if not NAME_RE.fullmatch(create.name) or len(create.name) > 100:
         raise SpecError(
             [
                 SpecIssue(
@@ -310,7 +313,6 @@ def create_sweep(
                 )
             ]
         )
-    check_spec_policy(create.base, can_run_code=can_run_code, settings=settings)
     base_chk = check_spec(create.base.model_copy(update={"layout": Layout()}))
     model_issues = [i for i in base_chk.errors if i.param.startswith("model")]
     if model_issues:

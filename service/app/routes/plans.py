@@ -86,6 +86,26 @@ def _resolve_cluster(requested: ClusterSpec, runtime: Runtime | None) -> Cluster
     return live.model_copy(update=overrides) if overrides else live
 
 
+def _unencodable(x: object, where: str = "") -> str | None:
+    """The field of the first string that is not valid Unicode (a lone surrogate), or None."""
+    if isinstance(x, str):
+        try:
+            x.encode("utf-8")
+        except UnicodeEncodeError:
+            return where or "body"
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            bad = _unencodable(k, where) or _unencodable(v, f"{where}.{k}" if where else str(k))
+            if bad:
+                return bad
+    elif isinstance(x, list | tuple):
+        for i, v in enumerate(x):
+            bad = _unencodable(v, f"{where}.{i}" if where else str(i))
+            if bad:
+                return bad
+    return None
+
+
 def _plan(req: PlanRequest, runtime: Runtime | None, factory: sessionmaker[Session] | None) -> PlanResponse:
     """The blocking part (cluster lookup, calibration lookup, search): runs in a worker thread."""
     cluster = _resolve_cluster(req.cluster, runtime)
@@ -101,6 +121,11 @@ async def create_plan(req: PlanRequest, runtime: RuntimeDep, factory: SessionFac
     """With ``layout``: that layout scored (one candidate; 422 if the model cannot run it). Without: the
     ``top_k`` fastest feasible layouts, with rejected ones and why. 503 with ``Retry-After`` while the planner is
     busy with other searches."""
+    bad = _unencodable(req.model_dump())
+    if bad:
+        raise SpecError(
+            [SpecIssue(bad, f"{bad} is not valid Unicode (a lone surrogate); fix the text", "invalid_value")]
+        )
     if not limiter.try_acquire():
         raise Unavailable(
             f"the planner is busy with {limiter.slots} searches; retry in {RETRY_AFTER_S} s",
