@@ -19,6 +19,7 @@ class RunStatus(str, Enum):
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
+    PREEMPTED = "PREEMPTED"  # transient: checkpointed after a preemption notice, on its way back to the queue
 
     @property
     def terminal(self) -> bool:
