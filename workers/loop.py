@@ -218,7 +218,7 @@ def _train(
             else:
                 scaler = torch.amp.GradScaler(device.type)
 
-        start_step = 0
+        start_step, ck_state = 0, dict[str, Any]()
         if job.resume_from:
             with tracker.paused():
                 ck_state = load_checkpoint(
@@ -238,6 +238,8 @@ def _train(
             dp_size=dims.dp_size,
         )
         batches.step = start_step
+        if job.resume_from and isinstance(ck_state.get("extra"), dict) and ck_state["extra"].get("data"):
+            batches.load_state_dict({**ck_state["extra"]["data"], "step": start_step})  # the exact data position
         pp_group = dims.pp_mesh.get_group() if dims.pp_enabled else None
         is_last_stage = runner.has_last_stage if runner is not None else True
         loss_owner = is_last_stage and dims.tp_rank == 0
@@ -433,7 +435,7 @@ def _save(job: WorkerJob, step: int, model_parts, optimizers, schedulers, batche
         step=step,
         plan=plan,
         spec=spec,
-        extra={"data": batches.state_dict() | {"step": step}, "run_id": job.run_id, "attempt": job.attempt},
+        extra={"data": batches.state_dict(step), "run_id": job.run_id, "attempt": job.attempt},
     )
     dist.barrier()
     if dist.get_rank() == 0 and job.checkpoint_dir:
