@@ -56,3 +56,7 @@ def test_goodput_of_a_run_restarted_after_a_failure(client) -> None:
     assert lost["recomputed_steps"] == pytest.approx(2)
     assert g["goodput"] == pytest.approx(6 / 50)
     assert client.get("/v1/runs/run-000000000000/goodput").status_code == 404
+    page = client.get(f"/runs/{rid}")
+    assert page.status_code == 200
+    card = page.text.split('id="goodput"', 1)[1].split("</div>", 1)[0]
+    assert "12.0%" in card and "restart" in card  # 12% of 50 s; the largest causes
