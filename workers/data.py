@@ -5,7 +5,12 @@ Sample j of the run (j = k * G + i for step k, global batch G) is window ``perm_
 from (seed, j)). Data-parallel rank r takes the contiguous slice ``[r G/dp, (r+1) G/dp)`` of the global
 batch; ranks of one TP group (and pipeline stages) get the same slice; micro-batches are consecutive slices
 of the rank's share. So the mean loss over the global batch is layout-invariant, and a resume at step k
-with any layout replays exactly (the position is the step; ``state_dict`` records it for checkpoints).
+with any layout replays exactly.
+
+The position is the number of samples consumed (``state_dict``: ``step``, ``samples``; checkpoints carry it): a
+resume continues at sample ``samples`` whatever the new layout (dp2 -> dp1) and even with another global batch size,
+so no sample is seen twice or skipped. A dataset (``custom``) that exposes ``state_dict`` / ``load_state_dict`` has
+its own state saved and restored with it.
 
 Sources:
 - ``synthetic``: arithmetic sequences ``(a + b t) mod V`` with random a, b per sample (learnable).
@@ -193,6 +198,8 @@ class StepBatches:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.per_rank = global_batch_size // dp_size
         self.step = 0  # next step to produce (0-based)
+        # sample index of the first sample of 0-based step k: base_sample + (k - base_step) * global_batch_size
+        self.base_step, self.base_sample = 0, 0
         self._perm_cache: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ sampler semantics
@@ -200,19 +207,44 @@ class StepBatches:
     def num_samples(self) -> int:
         return len(self.source)
 
+    def first_sample(self, step: int) -> int:
+        """The run's sample index of the first sample of 0-based ``step``."""
+        return self.base_sample + (step - self.base_step) * self.global_batch_size
+
     @property
     def epoch(self) -> int:
-        return (self.step * self.global_batch_size) // self.num_samples
+        return self.first_sample(self.step) // self.num_samples
 
     def set_epoch(self, epoch: int) -> None:
         """Jump to the first step of ``epoch`` (rounded down to a step boundary)."""
-        self.step = epoch * self.num_samples // self.global_batch_size
+        self.step = self.base_step + (epoch * self.num_samples - self.base_sample) // self.global_batch_size
 
-    def state_dict(self) -> dict:
-        return {"step": self.step, "seed": self.seed, "global_batch_size": self.global_batch_size}
+    def state_dict(self, step: int | None = None) -> dict:
+        """The position before 0-based ``step`` (default: ``self.step``), i.e. after ``step`` steps."""
+        at = self.step if step is None else int(step)
+        out: dict[str, Any] = {
+            "step": at,
+            "samples": self.first_sample(at),
+            "seed": self.seed,
+            "global_batch_size": self.global_batch_size,
+        }
+        source_state = getattr(self.source, "state_dict", None)
+        if callable(source_state):
+            out["source"] = source_state()
+        return out
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue where ``state`` (a ``state_dict``, maybe of another layout or global batch size) stopped."""
         self.step = int(state["step"])
+        old_gbs = int(state.get("global_batch_size") or self.global_batch_size)
+        samples = state.get("samples")
+        self.base_step = self.step
+        self.base_sample = int(samples) if samples is not None else self.step * old_gbs
+        if int(state.get("seed", self.seed)) != self.seed:
+            log.warning("data position saved with seed %s, resumed with seed %s", state.get("seed"), self.seed)
+        load = getattr(self.source, "load_state_dict", None)
+        if "source" in state and callable(load):
+            load(state["source"])
 
     # ------------------------------------------------------------------ batches
     def _perm(self, epoch: int) -> torch.Tensor:
@@ -234,10 +266,10 @@ class StepBatches:
         return torch.as_tensor(item, dtype=torch.int64)
 
     def global_indices(self, step: int) -> range:
-        return range(step * self.global_batch_size, (step + 1) * self.global_batch_size)
+        return range(self.first_sample(step), self.first_sample(step) + self.global_batch_size)
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = step * self.global_batch_size + self.dp_rank * self.per_rank
+        start = self.first_sample(step) + self.dp_rank * self.per_rank
         items = [self.sample(j) for j in range(start, start + self.per_rank)]
         if isinstance(items[0], tuple):  # (input, target) examples
             pairs = [it for it in items if isinstance(it, tuple)]

@@ -52,6 +52,7 @@ from workers.optim import build_optimizer, build_scheduler
 from workers.parallel_dims import ParallelDims
 from workers.parallelize import clip_grad_norm_, grad_sync, parallelize_model
 from workers.pipeline import build_pipeline
+from workers.preemption import NOTICE, STOP_VOTE
 from workers.profiling import Profiler
 from workers.reporting import Reporter
 from workers.timeline import make_clock
@@ -217,7 +218,7 @@ def _train(
             else:
                 scaler = torch.amp.GradScaler(device.type)
 
-        start_step = 0
+        start_step, ck_state = 0, dict[str, Any]()
         if job.resume_from:
             with tracker.paused():
                 ck_state = load_checkpoint(
@@ -237,6 +238,8 @@ def _train(
             dp_size=dims.dp_size,
         )
         batches.step = start_step
+        if job.resume_from and isinstance(ck_state.get("extra"), dict) and ck_state["extra"].get("data"):
+            batches.load_state_dict({**ck_state["extra"]["data"], "step": start_step})  # the exact data position
         pp_group = dims.pp_mesh.get_group() if dims.pp_enabled else None
         is_last_stage = runner.has_last_stage if runner is not None else True
         loss_owner = is_last_stage and dims.tp_rank == 0
@@ -321,7 +324,8 @@ def _train(
             ckpt_due = bool(job.checkpoint_dir and every and step % every == 0)
             if reporter.due(step, force=ckpt_due):
                 state.set_phase("report")
-                stop_vote, profile_vote = _poll(stop, control)
+                want_stop, profile_vote = _poll(stop, control)
+                stop_vote = max(STOP_VOTE if want_stop else 0, NOTICE.vote())
                 with tracker.paused():
                     reporter.report(stop_vote=stop_vote, profile_vote=profile_vote)
                 if reporter.profile_request:
@@ -332,8 +336,15 @@ def _train(
                     last_ckpt = _save(job, step, model_parts, optimizers, schedulers, batches, plan, spec)
                 if on_checkpoint is not None and last_ckpt is not None:
                     on_checkpoint(step, last_ckpt)
+            if reporter.preempted_ranks and not ckpt_due and job.checkpoint_dir:
+                state.set_phase("checkpoint")  # the emergency checkpoint of a preemption notice
+                with tracker.paused():
+                    last_ckpt = _save(job, step, model_parts, optimizers, schedulers, batches, plan, spec)
+                if on_checkpoint is not None and last_ckpt is not None:
+                    on_checkpoint(step, last_ckpt)
             if reporter.stop_agreed:
-                log.info("stop requested: stopping after step %d", step)
+                why = f"preemption notice on ranks {reporter.preempted_ranks}" if reporter.preempted_ranks else "stop"
+                log.info("%s: stopping after step %d", why, step)
                 break
         with tracker.paused():
             reporter.report()
@@ -359,6 +370,9 @@ def _train(
         "loop_time_s": loop_time_s,  # first step to the final report, this rank
         "loop_cpu_time_s": loop_cpu_s,  # CPU time of this process (all its threads) over the same span
         "stopped": reporter.stop_agreed,
+        "preempted": bool(reporter.preempted_ranks),
+        "preempted_ranks": list(reporter.preempted_ranks),
+        "preempted_at_step": summary["steps_done"] if reporter.preempted_ranks else None,
         "last_checkpoint": last_ckpt,
         "profiles": profiler.written if profiler is not None else [],
     }
@@ -421,7 +435,7 @@ def _save(job: WorkerJob, step: int, model_parts, optimizers, schedulers, batche
         step=step,
         plan=plan,
         spec=spec,
-        extra={"data": batches.state_dict() | {"step": step}, "run_id": job.run_id, "attempt": job.attempt},
+        extra={"data": batches.state_dict(step), "run_id": job.run_id, "attempt": job.attempt},
     )
     dist.barrier()
     if dist.get_rank() == 0 and job.checkpoint_dir:

@@ -43,6 +43,7 @@ import ray.train
 import torch.distributed as dist
 
 from api.spec.metrics import PEAK_MEMORY_PER_RANK
+from workers.preemption import NOTICE, install_on_actor_main_thread
 from workers.ray_metrics import RunMetricsPublisher
 
 logger = logging.getLogger(__name__)
@@ -187,6 +188,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     attempt = _broadcast(attempt)
     if problem:
         raise TPGroupSplitError(problem)
+    _install_preemption_handler(rank)
 
     # 3. where to resume from
     ckpt = ray.train.get_checkpoint()
@@ -265,3 +267,18 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     if rank == 0:
         summary = {k: v for k, v in (summary or {}).items() if k != "losses"}
         ray.get(channel.done.remote(summary), timeout=60)
+    NOTICE.disarm()  # finished in time
+
+
+def _install_preemption_handler(rank: int) -> None:
+    """SIGTERM to this worker = a preemption notice (``workers.preemption``). Python handlers live on the main
+    thread; the train function runs on another, so the actor's ``__ray_call__`` (run on its main thread) installs it."""
+    NOTICE.reset()
+    try:
+        actor = ray.get_runtime_context().current_actor
+        ok = ray.get(actor.__ray_call__.remote(install_on_actor_main_thread), timeout=30)
+    except Exception as e:  # not an actor (a test harness): SIGTERM keeps Ray's meaning
+        logger.warning("rank %d: no preemption handler (%s); SIGTERM ends this worker", rank, e)
+        return
+    if not ok:
+        logger.warning("rank %d: the preemption handler could not be installed; SIGTERM ends this worker", rank)

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from api.spec import BREAKDOWN_TERMS, Plan, RunSpec
 from workers.comm_hooks import Tracker
 from workers.metrics import peak_memory, reset_peak_memory
+from workers.preemption import PREEMPT_VOTE
 from workers.timeline import StepRecord, breakdown, resolve
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class Reporter:
         self.pending: list[_Local] = []
         self.prev_end: Any = None
         self.stop_agreed = False
+        self.preempted_ranks: list[int] = []  # ranks that voted PREEMPT_VOTE (a preemption notice)
         self.profile_request = 0  # agreed number of steps to profile, from the next step on
         self.peaks = [0] * self.world
         # summary (rank 0)
@@ -114,7 +116,8 @@ class Reporter:
         return force or step >= self.next_report or step >= self.last_step
 
     # --------------------------------------------------------------------------------------------- report
-    def report(self, *, stop_vote: bool = False, profile_vote: int = 0) -> None:
+    def report(self, *, stop_vote: int = 0, profile_vote: int = 0) -> None:
+        """``stop_vote``: 0, ``workers.preemption.STOP_VOTE`` or ``PREEMPT_VOTE`` (any non-zero vote stops all)."""
         if not self.pending:
             return
         items, self.pending = self.pending, []
@@ -159,6 +162,8 @@ class Reporter:
         gap = max(1, min(self.spec.metrics.max_steps_per_report, gap))
         self.next_report = items[-1].step + gap
         self.stop_agreed = self.stop_agreed or bool(trailer[:, 2].max() > 0)
+        votes = trailer[:, 2].tolist()
+        self.preempted_ranks = sorted({*self.preempted_ranks, *(r for r, v in enumerate(votes) if v >= PREEMPT_VOTE)})
         self.profile_request = int(trailer[:, 3].max())
         peaks = [int(v) for v in trailer[:, 0].tolist()]
         self.peaks = [max(a, b) for a, b in zip(self.peaks, peaks)]

@@ -257,6 +257,7 @@ STATUS_STYLE = {
     "SUCCEEDED": "green",
     "FAILED": "red",
     "CANCELLED": "magenta",
+    "PREEMPTED": "bright_yellow",
 }
 
 

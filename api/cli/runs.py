@@ -37,6 +37,7 @@ from api.cli._common import (
 )
 from api.sdk import (
     MeshrunError,
+    NotFoundError,
     RunStatus,
     layout_str,
     parse_layout,
@@ -233,7 +234,21 @@ def show(
     t.add_row("finished", _ts(run.finished_at))
     if run.ray_job_id:
         t.add_row("ray job id", run.ray_job_id)
+    if run.started_at is not None:
+        try:
+            t.add_row("goodput", goodput_line(_state(ctx).client().runs.goodput(run_id)))
+        except NotFoundError:
+            pass  # a service from before goodput
     c.print(t)
+
+
+def goodput_line(g: Any) -> str:
+    """``87.5% of 412 s; lost: queue 20 s, startup 18 s, ...`` (causes over half a second)."""
+    head = f"{g.goodput:.1%} of {g.wall_s:.0f} s" if g.goodput is not None else "n/a"
+    lost = [(k, v) for k, v in g.lost_s.model_dump().items() if v >= 0.5]
+    tail = ", ".join(f"{k.replace('_', ' ')} {v:.0f} s" for k, v in lost)
+    redone = f"; {g.recomputed_steps} steps redone" if g.recomputed_steps else ""
+    return head + (f"; lost: {tail}" if tail else "") + redone
 
 
 @command(app, "metrics")

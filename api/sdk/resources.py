@@ -22,6 +22,7 @@ from api.spec import (
     MetricList,
     MetricRow,
     PlanResponse,
+    RunGoodput,
     RunList,
     RunPublic,
     RunSpec,
@@ -116,6 +117,9 @@ class Run(RunPublic):
 
     def checkpoints(self) -> list[CheckpointPublic]:
         return self._client.runs.checkpoints(self.id)
+
+    def goodput(self) -> RunGoodput:
+        return self._client.runs.goodput(self.id)
 
     def cancel(self) -> Run:
         return self._replace(self._client.runs.cancel(self.id))
@@ -332,6 +336,10 @@ class Runs(_Resource):
             cursor = page.next_cursor
             if not page.has_more or not cursor or not page.logs:
                 return "".join(parts)
+
+    def goodput(self, run_id: str) -> RunGoodput:
+        """Productive step time / wall time since submission, and the seconds lost per cause."""
+        return tolerant_validate(RunGoodput, self._client.request("GET", f"/v1/runs/{run_id}/goodput"))
 
     def checkpoints(self, run_id: str) -> builtins.list[CheckpointPublic]:
         """Every checkpoint of the run by step, all pages."""

@@ -19,6 +19,7 @@ class RunStatus(str, Enum):
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
+    PREEMPTED = "PREEMPTED"  # transient: checkpointed after a preemption notice, on its way back to the queue
 
     @property
     def terminal(self) -> bool:
@@ -102,6 +103,30 @@ class CheckpointList(_Public):
     run_id: str
     items: list[CheckpointPublic]
     next_cursor: str | None = Field(None, description=NEXT_CURSOR_DOC)
+
+
+class GoodputLost(_Public):
+    """Seconds of the wall time lost, per cause."""
+
+    queue: float = Field(0.0, description="QUEUED: at submission and after a preemption.")
+    startup: float = Field(0.0, description="First STARTING to the first step (job, workers, model, data).")
+    failure_detection: float = Field(0.0, description="Last finished step of a failed attempt to its error.")
+    restart: float = Field(0.0, description="Error or preemption back to the next first step, queue excluded.")
+    recomputed_steps: float = Field(0.0, description="Step time of steps done again after a restart.")
+    other: float = Field(0.0, description="The rest: checkpoints, reports, the driver's start and end.")
+
+
+class RunGoodput(_Public):
+    """Productive step time over the wall time since submission (until the end, or now while it runs)."""
+
+    run_id: str
+    status: RunStatus
+    wall_s: float
+    productive_s: float
+    goodput: float | None = Field(None, description="productive_s / wall_s (None before any time passed).")
+    lost_s: GoodputLost
+    recomputed_steps: int = 0
+    attempts: int = 0
 
 
 class LogsPublic(_Public):

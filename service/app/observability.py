@@ -85,7 +85,7 @@ METRIC_NAMES: frozenset[str] = frozenset(
     }
 )
 
-RUN_STATUSES = ("QUEUED", "STARTING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED")
+RUN_STATUSES = ("QUEUED", "STARTING", "RUNNING", "PREEMPTED", "SUCCEEDED", "FAILED", "CANCELLED")
 ACTIVE_STATUSES = ("STARTING", "RUNNING")
 RECENT_RUN_WINDOW_S = 15 * 60  # finished runs keep their per-run series this long
 MAX_RUN_SERIES = 100

@@ -32,6 +32,7 @@ from service.cluster.jobs import trim
 from service.cluster.placement import Placement
 from service.runs.inspect import InspectionFailed, describe, inspect_in_driver
 from service.runs.lifecycle import Outcome, RunLifecycle
+from service.runs.preemption import preemption_reason
 from service.runs.trainer import build_trainer, train_run_name
 from service.settings import Settings
 from service.store.db import make_engine, make_sessionmaker, session_scope
@@ -121,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         outcome = Outcome(RunStatus.CANCELLED, f"Ray Job stopped ({e})")
     if error is not None:
         outcome = life.failed(error)  # after the channel's last drain: the workers' errors are recorded
+    elif outcome.status == RunStatus.SUCCEEDED:
+        notice = preemption_reason(life.recorder.summary, total_steps=spec.train.steps)
+        if notice is not None and life.requeue(notice):
+            return 0  # back in the queue; the scheduler resumes it from the emergency checkpoint
     life.finish(outcome, wall_s=time.time() - t0)
     return 0 if outcome.status == RunStatus.SUCCEEDED else 1
 

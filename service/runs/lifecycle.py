@@ -255,6 +255,38 @@ class RunLifecycle:
             wall_s=wall_s,
         )
 
+    def requeue(self, reason: str) -> bool:
+        """After a preemption: the current attempt and the run PREEMPTED with ``reason``, then QUEUED to resume from
+        the latest checkpoint (the scheduler admits it again as a new Ray Job). False when the run was ended
+        meanwhile (a cancel wins)."""
+        try:
+            with session_scope(self.factory) as s:
+                if self.recorder.current_attempt is not None:
+                    store.finish_attempt(
+                        s,
+                        run_id=self.run_id,
+                        attempt=self.recorder.current_attempt,
+                        status=RunStatus.PREEMPTED.value,
+                        cause=reason[:500],
+                    )
+                store.transition(s, run_id=self.run_id, to=RunStatus.PREEMPTED, reason=reason, actor=self.actor)
+                ck = store.latest_checkpoint(s, run_id=self.run_id)
+                fields: dict[str, Any] = {"resume_from": ck.path} if ck is not None else {}
+                where = f"the checkpoint of step {ck.step}" if ck is not None else "its start (no checkpoint)"
+                store.transition(
+                    s,
+                    run_id=self.run_id,
+                    to=RunStatus.QUEUED,
+                    reason=f"back in the queue after preemption; resumes from {where}",
+                    actor=self.actor,
+                    **fields,
+                )
+        except store.Conflict as e:
+            logger.info("not re-queueing run %s: %s", self.run_id, e)
+            return False
+        logger.info("run %s: preempted (%s), re-queued", self.run_id, reason[:200])
+        return True
+
     def finish(self, outcome: Outcome, *, wall_s: float | None) -> dict[str, Any]:
         """End the current attempt and the run with ``outcome`` (see the module docstring); returns the summary."""
         with session_scope(self.factory) as s:

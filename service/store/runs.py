@@ -25,8 +25,10 @@ TOTAL_CAP = 1_000
 S = RunStatus
 ALLOWED: dict[RunStatus, frozenset[RunStatus]] = {
     S.QUEUED: frozenset({S.STARTING, S.CANCELLED, S.FAILED}),
-    S.STARTING: frozenset({S.RUNNING, S.SUCCEEDED, S.FAILED, S.CANCELLED, S.QUEUED}),
-    S.RUNNING: frozenset({S.SUCCEEDED, S.FAILED, S.CANCELLED}),
+    S.STARTING: frozenset({S.RUNNING, S.SUCCEEDED, S.FAILED, S.CANCELLED, S.QUEUED, S.PREEMPTED}),
+    S.RUNNING: frozenset({S.SUCCEEDED, S.FAILED, S.CANCELLED, S.PREEMPTED}),
+    # preempted (a notice or a higher-priority run): checkpointed, then straight back to the queue
+    S.PREEMPTED: frozenset({S.QUEUED, S.FAILED, S.CANCELLED}),
     # terminal states only leave through an explicit resume
     S.SUCCEEDED: frozenset(),
     S.FAILED: frozenset({S.QUEUED}),

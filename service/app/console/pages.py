@@ -31,6 +31,7 @@ from service.app.deps import Principal
 from service.app.pagination import decode_cursor, encode_cursor
 from service.errors import NotFound
 from service.store.db import session_scope
+from service.store.goodput import run_goodput
 from service.store.models import Run
 
 router = APIRouter(include_in_schema=False)
@@ -148,6 +149,7 @@ def _run_context(request: Request, principal: Principal, run_id: str) -> dict[st
         attempts = store.list_attempts(s, run_id=run.id)
         checkpoints = store.list_checkpoints(s, run_id=run.id, limit=101)
         stragglers = store.list_events(s, run_id=run.id, kinds=["straggler"], limit=50, newest_first=True)
+        goodput = run_goodput(s, run=run) if run.started_at is not None else None
     more_events = len(events) > TIMELINE_EVENTS
     spec = RunSpec.model_validate(run.spec)
     return {
@@ -165,6 +167,11 @@ def _run_context(request: Request, principal: Principal, run_id: str) -> dict[st
         "stragglers": stragglers,
         "straggler_ranks": sorted(
             Counter(int(r) for e in stragglers for r in re.findall(r"\brank[ =:]?(\d+)", e.reason or "")).items()
+        ),
+        "goodput": goodput,
+        "goodput_lost": sorted(
+            ((k.replace("_", " "), v) for k, v in (goodput or {}).get("lost_s", {}).items() if v >= 0.5),
+            key=lambda kv: -kv[1],
         ),
         "ray_link": ray_job_link(request, principal, run.ray_job_id, run.dashboard_url),
         "per_rank_peaks": sorted(

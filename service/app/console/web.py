@@ -30,7 +30,7 @@ templates = Jinja2Templates(directory=str(HERE / "templates"))
 
 __all__ = ["ray_job_link", "ray_proxy_allowed", "service_base_url"]  # re-exported for the console's modules
 
-STATUS_ORDER = ("QUEUED", "STARTING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED")
+STATUS_ORDER = ("QUEUED", "STARTING", "RUNNING", "PREEMPTED", "SUCCEEDED", "FAILED", "CANCELLED")
 
 
 # ------------------------------------------------------------------------------------------------ filters

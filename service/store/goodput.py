@@ -1,0 +1,155 @@
+"""Goodput of a run: productive step time over the wall time since submission, and where the rest went.
+
+Read from what the store already holds (``run_goodput``): the run's state events (QUEUED, STARTING, PREEMPTED ...),
+its attempts (one per worker-group start), its per-step metric rows of every attempt (``time`` is the end of a
+step, ``step_time_s`` its duration) and its ``worker_error`` events. ``account`` is the pure arithmetic:
+
+- productive: the step time of the steps that count (each step once: the latest attempt's row);
+- queue: time spent QUEUED (at submission and after a preemption);
+- startup: from the first STARTING to the start of the first step (job, workers, model build, data, compile);
+- failure_detection: from the last step a failed attempt finished to the worker error that reported it;
+- restart: from that error (or the end of a preempted attempt) back to the start of the next first step, the queue
+  time excluded;
+- recomputed_steps: the step time of steps done again after a restart (past the checkpoint resumed from);
+- other: the rest (checkpoints, reports, the driver's start and end, a run still starting).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from service.store.models import Metric, Run, RunAttempt, RunEvent
+
+CAUSES = ("queue", "startup", "failure_detection", "restart", "recomputed_steps", "other")
+
+
+@dataclass(frozen=True)
+class AttemptTimes:
+    """One attempt, in epoch seconds: when it began, the start of its first step and the end of its last one (None
+    without steps), its total step time and the part of it that later attempts redid."""
+
+    attempt: int
+    started_at: float
+    first_start: float | None
+    last_end: float | None
+    step_time_s: float
+    recomputed_s: float = 0.0
+    recomputed_steps: int = 0
+
+
+def account(
+    *,
+    created: float,
+    end: float,
+    states: Sequence[tuple[float, str]],
+    attempts: Sequence[AttemptTimes],
+    error_times: Sequence[float] = (),
+) -> dict[str, Any]:
+    """The goodput breakdown (see the module docstring). ``states``: (time, status entered), in time order."""
+    wall = max(0.0, end - created)
+    queue, cur, since = 0.0, "QUEUED", created
+    for t, to in sorted(states):
+        if cur == "QUEUED":
+            queue += max(0.0, t - since)
+        cur, since = to, t
+    if cur == "QUEUED":
+        queue += max(0.0, end - since)
+    starts = sorted(t for t, to in states if to == "STARTING")
+    requeued = sorted(t for t, to in states if to in ("PREEMPTED", "QUEUED"))
+    lost = dict.fromkeys(CAUSES, 0.0)
+    lost["queue"] = queue
+    prev: AttemptTimes | None = None
+    for a in sorted(attempts, key=lambda x: x.attempt):
+        if a.first_start is None:
+            continue  # no step yet: its time goes to the next attempt's restart (or to other)
+        sub = max((s for s in starts if s <= a.started_at), default=None)
+        if prev is None or prev.last_end is None:
+            lost["startup"] += max(0.0, a.first_start - (sub if sub is not None else a.started_at))
+        elif sub is not None and sub >= prev.last_end:  # a new Ray Job after a preemption (or a resume)
+            stop = min((t for t in requeued if t >= prev.last_end), default=sub)
+            lost["restart"] += max(0.0, stop - prev.last_end) + max(0.0, a.first_start - sub)
+        else:  # Ray Train restarted the worker group after a failure
+            err = min((e for e in error_times if prev.last_end <= e <= a.first_start), default=a.started_at)
+            lost["failure_detection"] += max(0.0, err - prev.last_end)
+            lost["restart"] += max(0.0, a.first_start - err)
+        prev = a
+    lost["recomputed_steps"] = sum(a.recomputed_s for a in attempts)
+    productive = sum(a.step_time_s for a in attempts) - lost["recomputed_steps"]
+    lost["other"] = max(0.0, wall - productive - sum(v for k, v in lost.items() if k != "other"))
+    return {
+        "wall_s": wall,
+        "productive_s": productive,
+        "goodput": productive / wall if wall > 0 else None,
+        "lost_s": lost,
+        "recomputed_steps": sum(a.recomputed_steps for a in attempts),
+        "attempts": len(attempts),
+    }
+
+
+def _ts(dt: datetime | None) -> float | None:
+    if dt is None:
+        return None
+    return (dt if dt.tzinfo is not None else dt.replace(tzinfo=UTC)).timestamp()
+
+
+def run_goodput(session: Session, *, run: Run, now: datetime | None = None) -> dict[str, Any]:
+    """The goodput breakdown of ``run`` (until it finished, or until ``now``)."""
+    rid = run.id
+    events = session.execute(
+        select(RunEvent.time, RunEvent.kind, RunEvent.to_status).where(RunEvent.run_id == rid).order_by(RunEvent.id)
+    ).all()
+    states = [(_ts(t) or 0.0, to) for t, kind, to in events if kind == "state" and to]
+    errors = [_ts(t) or 0.0 for t, kind, _ in events if kind == "worker_error"]
+    per = session.execute(
+        select(
+            Metric.attempt,
+            func.min(Metric.step),
+            func.max(Metric.step),
+            func.min(Metric.time),
+            func.max(Metric.time),
+            func.coalesce(func.sum(Metric.step_time_s), 0.0),
+        )
+        .where(Metric.run_id == rid)
+        .group_by(Metric.attempt)
+    ).all()
+    by_attempt = {int(a): (lo, hi, t0, t1, float(total or 0.0)) for a, lo, hi, t0, t1, total in per}
+    started = dict(
+        session.execute(select(RunAttempt.attempt, RunAttempt.started_at).where(RunAttempt.run_id == rid)).all()
+    )
+    attempts: list[AttemptTimes] = []
+    numbers = sorted(set(by_attempt) | set(started))
+    for n in numbers:
+        row = by_attempt.get(n)
+        later = [by_attempt[m][0] for m in numbers if m > n and m in by_attempt]
+        redo_from = min(later) if later else None
+        first_start = last_end = None
+        total = redo_s = 0.0
+        redo_n = 0
+        if row is not None:
+            lo, _hi, _t0, t1, total = row
+            first = session.execute(
+                select(Metric.time, Metric.step_time_s).where(
+                    Metric.run_id == rid, Metric.attempt == n, Metric.step == lo
+                )
+            ).first()
+            first_t = _ts(first[0]) if first is not None else None
+            first_start = (first_t or 0.0) - float((first[1] if first is not None else 0.0) or 0.0)
+            last_end = _ts(t1)
+            if redo_from is not None:
+                redo = session.execute(
+                    select(func.count(), func.coalesce(func.sum(Metric.step_time_s), 0.0)).where(
+                        Metric.run_id == rid, Metric.attempt == n, Metric.step >= redo_from
+                    )
+                ).one()
+                redo_n, redo_s = int(redo[0]), float(redo[1] or 0.0)
+        begun = _ts(started.get(n)) or first_start or 0.0
+        attempts.append(AttemptTimes(n, begun, first_start, last_end, total, redo_s, redo_n))
+    created = _ts(run.created_at) or 0.0
+    end = _ts(run.finished_at) or _ts(now) or datetime.now(UTC).timestamp()
+    return account(created=created, end=end, states=states, attempts=attempts, error_times=errors)

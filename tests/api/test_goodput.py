@@ -1,0 +1,62 @@
+"""GET /v1/runs/{id}/goodput over HTTP: read from the stored events, attempts and metric rows of every attempt."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from sqlalchemy import update
+
+from service import store
+from service.store.db import session_scope
+from service.store.models import Run, RunAttempt, RunEvent
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def _at(s: float) -> datetime:
+    return T0 + timedelta(seconds=s)
+
+
+def test_goodput_of_a_run_restarted_after_a_failure(client) -> None:
+    with session_scope(client.app.state.session_factory) as s:
+        run, _ = store.create_run(s, spec={"name": "g"}, plan=None, name="g")
+        rid = run.id
+        store.transition(s, run_id=rid, to="STARTING", reason="admitted")
+        store.transition(s, run_id=rid, to="RUNNING", reason="driver")
+        store.start_attempt(s, run_id=rid, cause="start")
+        store.add_event(s, run_id=rid, kind="worker_error", reason="attempt 1 failed: boom")
+        store.start_attempt(s, run_id=rid, cause="restart")
+        # steps 1..4 of attempt 1 (1 s each, from t=20), steps 3..6 of attempt 2 (from t=40)
+        rows1 = [{"step": k, "step_time_s": 1.0, "time": _at(20 + k).timestamp()} for k in range(1, 5)]
+        rows2 = [{"step": k, "step_time_s": 1.0, "time": _at(40 + k - 2).timestamp()} for k in range(3, 7)]
+        store.add_metrics(s, run_id=rid, attempt=1, rows=rows1)
+        store.add_metrics(s, run_id=rid, attempt=2, rows=rows2)
+        store.end_run(s, run_id=rid, to="SUCCEEDED", reason="done")
+        s.execute(update(Run).where(Run.id == rid).values(created_at=_at(0), finished_at=_at(50)))
+        times = {"QUEUED": 0, "STARTING": 10, "RUNNING": 11, "SUCCEEDED": 50}
+        for status, t in times.items():
+            s.execute(update(RunEvent).where(RunEvent.run_id == rid, RunEvent.to_status == status).values(time=_at(t)))
+        s.execute(update(RunEvent).where(RunEvent.run_id == rid, RunEvent.kind == "worker_error").values(time=_at(27)))
+        for n, t in ((1, 12), (2, 30)):
+            s.execute(
+                update(RunAttempt).where(RunAttempt.run_id == rid, RunAttempt.attempt == n).values(started_at=_at(t))
+            )
+
+    g = client.get(f"/v1/runs/{rid}/goodput").json()
+    assert g["status"] == "SUCCEEDED" and g["attempts"] == 2
+    assert g["wall_s"] == pytest.approx(50)
+    assert g["recomputed_steps"] == 2  # steps 3 and 4 ran twice
+    assert g["productive_s"] == pytest.approx(6)  # steps 1..6 once
+    lost = g["lost_s"]
+    assert lost["queue"] == pytest.approx(10)
+    assert lost["startup"] == pytest.approx(20 - 10)  # STARTING -> start of step 1
+    assert lost["failure_detection"] == pytest.approx(27 - 24)  # end of step 4 -> the worker error
+    assert lost["restart"] == pytest.approx(40 - 27)  # the error -> start of the first step of attempt 2
+    assert lost["recomputed_steps"] == pytest.approx(2)
+    assert g["goodput"] == pytest.approx(6 / 50)
+    assert client.get("/v1/runs/run-000000000000/goodput").status_code == 404
+    page = client.get(f"/runs/{rid}")
+    assert page.status_code == 200
+    card = page.text.split('id="goodput"', 1)[1].split("</div>", 1)[0]
+    assert "12.0%" in card and "restart" in card  # 12% of 50 s; the largest causes

@@ -1,0 +1,50 @@
+"""Issue 22 on Ray: a preemption notice (SIGTERM to one worker) makes a checkpointing dp2 run save an emergency
+checkpoint at its next report boundary, go PREEMPTED then QUEUED, and resume as a new Ray Job: it SUCCEEDS with every
+step once, at most one step recomputed, and the uninterrupted run's losses."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+import pytest
+
+from tests.ray.conftest import FT_STEPS, ft_spec
+from tests.ray.helpers import events, metrics, submit, wait_for, wait_for_step
+from tests.ray.test_runs import worker_pids
+
+pytestmark = pytest.mark.ray
+
+
+def _rows(url: str, run_id: str, attempt: int) -> list[dict]:
+    r = httpx.get(f"{url}/v1/runs/{run_id}/metrics", params={"attempt": attempt, "limit": 1000}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["items"]
+
+
+def test_sigterm_to_a_worker_checkpoints_requeues_and_resumes(live_service, reference_dp2_run):
+    url = live_service.url
+    _, ref_rows = reference_dp2_run
+    run = submit(url, ft_spec("e2e-preempt-sigterm"))  # max_failures 0: a plain failure would end the run
+    wait_for_step(url, run["id"], 7, timeout_s=300)
+    pids = worker_pids(url, run["id"])
+    os.kill(pids[1], signal.SIGTERM)
+
+    done = wait_for(url, run["id"], {"SUCCEEDED"}, timeout_s=400)
+    states = [(e["from_status"], e["to_status"]) for e in events(url, run["id"]) if e["kind"] == "state"]
+    assert ("RUNNING", "PREEMPTED") in states and ("PREEMPTED", "QUEUED") in states, states
+    preempted = next(e for e in events(url, run["id"]) if e["to_status"] == "PREEMPTED")
+    assert "SIGTERM on rank 1" in preempted["reason"], preempted
+    assert done["attempts"] == 2
+
+    rows = metrics(url, run["id"])
+    assert [r["step"] for r in rows] == list(range(1, FT_STEPS + 1))  # continuous, each step once
+    first, second = _rows(url, run["id"], 1), _rows(url, run["id"], 2)
+    recomputed = {r["step"] for r in first} & {r["step"] for r in second}
+    assert len(recomputed) <= 1, sorted(recomputed)
+    stopped_at = max(r["step"] for r in first)
+    cks = httpx.get(f"{url}/v1/runs/{run['id']}/checkpoints", timeout=30).json()["items"]
+    assert stopped_at in {c["step"] for c in cks}  # the emergency checkpoint
+    # the resumed run is the uninterrupted one (model, optimizer and data position restored)
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in ref_rows], rel=1e-5)

@@ -1,0 +1,46 @@
+"""service.store.goodput.account: the arithmetic of goodput and of the time lost per cause (pure, no database)."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.store.goodput import AttemptTimes, account
+
+
+def test_a_run_with_a_failure_and_a_preemption_is_accounted_to_the_second() -> None:
+    # t=0 submitted; 10 STARTING; attempt 1 steps 1..30 from 20 to 50; its worker error at 53; attempt 2 from 55
+    # redoes steps 26..30 (5 s) and runs until 100; PREEMPTED 101, QUEUED 102, STARTING 110; attempt 3 from 112,
+    # first step at 115, done at 135; SUCCEEDED at 136.
+    states = [
+        (0.0, "QUEUED"),
+        (10.0, "STARTING"),
+        (11.0, "RUNNING"),
+        (101.0, "PREEMPTED"),
+        (102.0, "QUEUED"),
+        (110.0, "STARTING"),
+        (111.0, "RUNNING"),
+        (136.0, "SUCCEEDED"),
+    ]
+    attempts = [
+        AttemptTimes(1, 12.0, 20.0, 50.0, 30.0, recomputed_s=5.0, recomputed_steps=5),
+        AttemptTimes(2, 55.0, 60.0, 100.0, 40.0),
+        AttemptTimes(3, 112.0, 115.0, 135.0, 20.0),
+    ]
+    g = account(created=0.0, end=136.0, states=states, attempts=attempts, error_times=[53.0])
+    lost = g["lost_s"]
+    assert lost["queue"] == pytest.approx(10 + 8)
+    assert lost["startup"] == pytest.approx(10)
+    assert lost["failure_detection"] == pytest.approx(3)
+    assert lost["restart"] == pytest.approx(7 + 1 + 5)  # error -> first step; stop after the notice; new job
+    assert lost["recomputed_steps"] == pytest.approx(5)
+    assert g["productive_s"] == pytest.approx(85)
+    assert lost["other"] == pytest.approx(136 - 85 - 18 - 10 - 3 - 13 - 5)
+    assert g["goodput"] == pytest.approx(85 / 136)
+    assert g["recomputed_steps"] == 5 and g["attempts"] == 3
+    assert g["productive_s"] + sum(lost.values()) == pytest.approx(g["wall_s"])
+
+
+def test_a_queued_run_has_no_goodput_yet_and_loses_only_queue_time() -> None:
+    g = account(created=0.0, end=30.0, states=[(0.0, "QUEUED")], attempts=[])
+    assert g["goodput"] == 0 and g["lost_s"]["queue"] == pytest.approx(30)
+    assert account(created=5.0, end=5.0, states=[], attempts=[])["goodput"] is None
