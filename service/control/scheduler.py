@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.spec import RunStatus
 from service import store
-from service.cluster.env import job_runtime_env
+from service.cluster.env import job_runtime_env, python_command
 from service.cluster.head import NodeView
 from service.cluster.jobs import JobsBackend, submission_id, submission_number, trim
 from service.cluster.placement import NodeCapacity, Placement, add_reservations, reservation
@@ -193,7 +193,7 @@ class Scheduler:
         code_dir = resolve_code_dir(code, self.settings) if code else None
         try:
             self.jobs.submit(
-                entrypoint=f"{_python()} -m service.runs.driver --run-id {run_id}",
+                entrypoint=f"{python_command()} -m service.runs.driver --run-id {run_id}",
                 submission_id=sid,
                 # job_name: the name Ray's job list shows
                 metadata={"run_id": run_id, "name": name, "job_name": name, "project": project, "meshrun": "run"},
@@ -284,7 +284,3 @@ class Scheduler:
             except store.Conflict:
                 return False
         return True
-
-
-def _python() -> str:
-    return "python"
