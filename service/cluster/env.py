@@ -1,11 +1,12 @@
 """The environment of every Ray Job meshrun submits (run drivers and sweep drivers): one place decides it.
 
 ``job_runtime_env`` returns the Ray ``runtime_env``: the settings a driver needs, the GCS address of meshrun's
-own cluster (never "auto", which can pick another cluster on a shared host; also as ``RAY_ADDRESS``), ``PYTHONPATH`` with meshrun's
-packages, the pass-through debugging variables, meshrun's code when the cluster does not have it installed
-(``MESHRUN_RAY_WORKING_DIR``), and the user's code directory (``spec.code.working_dir``) when the run names one:
-as the job's ``working_dir``, or as ``py_modules`` (one per top-level package) when meshrun itself is shipped as
-the working dir. Every Ray Train worker inherits the job's runtime env.
+own cluster (never "auto", which can pick another cluster on a shared host; also as ``RAY_ADDRESS``, which every
+Ray call in the job's processes falls back to), ``PYTHONPATH`` with meshrun's packages, the pass-through
+debugging variables, meshrun's code when the cluster does not have it installed (``MESHRUN_RAY_WORKING_DIR``),
+and the user's code directory (``spec.code.working_dir``) when the run names one: as the job's ``working_dir``,
+or as ``py_modules`` (one per top-level package) when meshrun itself is shipped as the working dir. Every Ray
+Train worker inherits the job's runtime env.
 """
 
 from __future__ import annotations
