@@ -200,7 +200,7 @@ class Runtime:
             return None
         if not nodes:
             return None
-        return _never_fits(plan, nodes)
+        return _never_fits(plan, nodes, cpu_setting="MESHRUN_RAY_NUM_CPUS" if self.ray_cluster.owned else None)
 
     # ------------------------------------------------------------------------------------------- runs
     def cancel_run(self, run_id: str, actor: str | None = None) -> None:
