@@ -244,10 +244,18 @@ def place(
     )
 
 
-def never_fits(plan: PlanLike, nodes: list[NodeCapacity], *, cpu_setting: str | None = None) -> str | None:
+def never_fits(
+    plan: PlanLike, nodes: list[NodeCapacity], *, cpu_setting: str | None = None, reserved_cpu: float = 0.0
+) -> str | None:
     """Why ``plan`` can never run on this cluster (even empty), or None if it could. The reason names the
     smaller layout that would fit and, for CPU workers, ``cpu_setting`` (the setting that sizes the cluster's
-    CPU slots, when the service owns it) with the value that would fit."""
+    CPU slots, when the service owns it) with the value that would fit. ``reserved_cpu``: CPUs the work's own
+    helpers hold on any node while it runs (a sweep's trial drivers), taken from every node's total."""
+    if reserved_cpu > 0:
+        nodes = [
+            NodeCapacity(n.node_id, {**n.total, "CPU": max(0.0, n.total.get("CPU", 0.0) - reserved_cpu)}, n.free)
+            for n in nodes
+        ]
     res = worker_resources(plan)
     if res.get("GPU") and not any(n.total.get("GPU", 0) > 0 for n in nodes):
         return (
@@ -266,7 +274,8 @@ def never_fits(plan: PlanLike, nodes: list[NodeCapacity], *, cpu_setting: str | 
     smaller = smaller_layout(plan, nodes)
     if smaller:
         fixes.append(f"use a smaller layout that fits: {smaller}")
-    return p.reason + (f"; {' or '.join(fixes)}" if fixes else "")
+    held = f" (after the {reserved_cpu:g} CPU its sweep's trial drivers hold)" if reserved_cpu > 0 else ""
+    return p.reason + held + (f"; {' or '.join(fixes)}" if fixes else "")
 
 
 def smaller_layout(plan: PlanLike, nodes: list[NodeCapacity]) -> str | None:

@@ -321,3 +321,35 @@ def test_ray_worker_tp_check_matches_the_rank_order():
     assert worker_check(["a"] * 4 + ["b"] * 4, 4) is None
     msg = worker_check(["a", "a", "b", "b"], 4)
     assert msg is not None and "ranks 0..3" in msg and "tp=4" in msg
+
+
+def test_a_sweep_trials_run_joins_the_same_queue_and_gets_no_ray_job_of_its_own(sched):
+    """A trial's run (sweep_id set) waits in FIFO order like any run; admitted, it moves to STARTING with the
+    reservation counted, and no Ray Job is submitted (its sweep's driver starts its workers). A queued trial whose
+    sweep's Ray Job is gone is failed so it cannot block the queue."""
+    from service import store
+    from service.store.db import session_scope
+    from service.store.models import Sweep
+
+    with session_scope(sched.factory) as s:
+        for sid in ("sw_a", "sw_b"):
+            s.add(Sweep(id=sid, name=sid, project="default", status="RUNNING", objective="tokens_per_s", spec={}))
+    big = _add_run(sched, "big", dp=8)  # waits: 6 CPUs
+    trial = _add_run(sched, "trial", dp=2)
+    gone = _add_run(sched, "gone-trial", dp=2)
+    with session_scope(sched.factory) as s:
+        for rid, sid, job in ((trial, "sw_a", "meshrun-sw_a-1"), (gone, "sw_b", "meshrun-sw_b-1")):
+            r = store.get_run(s, run_id=rid)
+            r.sweep_id, r.ray_job_id = sid, job
+    sched.jobs.states["meshrun-sw_a-1"] = "RUNNING"  # sw_b's job: MISSING
+    sched.tick()
+    assert _run(sched, big)[:2] == ("QUEUED", "needs 8 worker slots of 1 CPU; 6 free")
+    assert _run(sched, trial)[0] == "QUEUED" and "waiting behind run" in _run(sched, trial)[1]
+    assert _run(sched, gone)[0] == "FAILED" and "meshrun-sw_b-1 is MISSING" in _run(sched, gone)[1]
+    with session_scope(sched.factory) as s:
+        store.transition(s, run_id=big, to="CANCELLED", reason="test")
+    submitted = len(sched.jobs.submitted)
+    sched.tick()
+    status, reason, job = _run(sched, trial)
+    assert status == "STARTING" and reason.startswith("admitted: 2 workers") and job == "meshrun-sw_a-1"
+    assert len(sched.jobs.submitted) == submitted and trial in sched.pending
