@@ -63,7 +63,9 @@ def _sweep_table(sweep: Any) -> Table:
 def sweep(
     ctx: typer.Context,
     file: Path = typer.Argument(..., help="A run spec (the base) or a full sweep spec (YAML/JSON)."),
-    layouts: Optional[str] = typer.Option(None, help='"auto" or "dp=4; dp=2,tp=2; tp=2,pp=2".'),
+    layouts: Optional[str] = typer.Option(
+        None, help='"auto" (added to the spec\'s own layouts, if it lists any) or "dp=4; dp=2,tp=2; tp=2,pp=2".'
+    ),
     micro_batch_sizes: Optional[str] = typer.Option(None, help='Comma list, e.g. "1,2,4".'),
     max_trials: Optional[int] = typer.Option(None, min=1),
     steps_per_trial: Optional[int] = typer.Option(None, min=2),
@@ -79,7 +81,17 @@ def sweep(
     body: dict[str, Any] = data if "base" in data else {"name": f"{data.get('name', 'run')}-sweep"[:128], "base": data}
     search = dict(body.get("search") or {})
     if layouts is not None:
-        search["layouts"] = _usage(lambda: parse_layouts(layouts))
+        parsed = _usage(lambda: parse_layouts(layouts))
+        listed = search.get("layouts")
+        if parsed == "auto" and isinstance(listed, list) and listed:
+            # auto ADDS to the spec's own layouts (they are kept, tried first)
+            search["add_auto"] = True
+            err().print(
+                f"--layouts auto: adding the planner's candidates for the live cluster to the spec's "
+                f"{len(listed)} layouts"
+            )
+        else:
+            search["layouts"] = parsed
     if micro_batch_sizes is not None:
         try:
             search["micro_batch_sizes"] = [int(x) for x in micro_batch_sizes.split(",") if x.strip()]

@@ -83,7 +83,7 @@ class RunProgress:
 
 
 class SweepProgress:
-    """trials finished / planned, with the best measured tokens/s so far."""
+    """trials finished / to run (skipped ones counted apart), with the best measured tokens/s so far."""
 
     def __init__(self, console: Any) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -92,7 +92,7 @@ class SweepProgress:
             TextColumn("[bold]{task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("trials  best {task.fields[best]}"),
+            TextColumn("trials ({task.fields[skipped]} skipped)  best {task.fields[best]}"),
             TextColumn("{task.fields[status]}"),
             TimeElapsedColumn(),
             console=console,
@@ -111,19 +111,21 @@ class SweepProgress:
     def update(self, sweep: Any) -> None:
         from ._specs import layout_str
 
-        total = max(sweep.spec.budget.max_trials, len(sweep.trials))
-        finished = sum(
-            1 for t in sweep.trials if str(t.status).upper() not in ("PENDING", "QUEUED", "RUNNING", "STARTING")
-        )
+        statuses = [str(t.status).upper() for t in sweep.trials]
+        skipped = statuses.count("SKIPPED")  # decided before anything ran: not progress
+        total = len(statuses) - skipped
+        finished = sum(1 for st in statuses if st not in ("PENDING", "QUEUED", "RUNNING", "STARTING", "SKIPPED"))
         best = "-"
         if sweep.best_trial is not None:
             bt = sweep.best_trial
             best = f"{layout_str(bt.layout)} mb{bt.micro_batch_size} {_fmt_rate(bt.measured_tokens_per_s)} tok/s"
         if self._task is None:
             self._task = self._progress.add_task(
-                f"sweep {sweep.name} ({sweep.id})", total=total, best=best, status=sweep.status
+                f"sweep {sweep.name} ({sweep.id})", total=total, best=best, status=sweep.status, skipped=skipped
             )
-        self._progress.update(self._task, completed=finished, total=total, best=best, status=sweep.status)
+        self._progress.update(
+            self._task, completed=finished, total=total, best=best, status=sweep.status, skipped=skipped
+        )
 
     def close(self) -> None:
         self._progress.stop()

@@ -14,6 +14,11 @@ from api.spec.run import Layout, RunSpec
 class SweepSearch(_Spec):
     layouts: list[Layout] | Literal["auto"] = "auto"
     micro_batch_sizes: list[int] | None = Field(None, description="Default: the base spec's micro-batch.")
+    add_auto: bool = Field(
+        False,
+        description="Also try the planner's top candidates for the live cluster ('auto') after the listed layouts "
+        "(the CLI's --layouts auto sets this when the spec lists layouts; the listed ones are kept).",
+    )
 
 
 class SweepBudget(_Spec):

@@ -1,17 +1,20 @@
 """The environment of every Ray Job meshrun submits (run drivers and sweep drivers): one place decides it.
 
 ``job_runtime_env`` returns the Ray ``runtime_env``: the settings a driver needs, the GCS address of meshrun's
-own cluster (never "auto", which can pick another cluster on a shared host), ``PYTHONPATH`` with meshrun's
-packages, the pass-through debugging variables, meshrun's code when the cluster does not have it installed
-(``MESHRUN_RAY_WORKING_DIR``), and the user's code directory (``spec.code.working_dir``) when the run names one:
-as the job's ``working_dir``, or as ``py_modules`` (one per top-level package) when meshrun itself is shipped as
-the working dir. Every Ray Train worker inherits the job's runtime env.
+own cluster (never "auto", which can pick another cluster on a shared host; also as ``RAY_ADDRESS``, which every
+Ray call in the job's processes falls back to), ``PYTHONPATH`` with meshrun's packages, the pass-through
+debugging variables, meshrun's code when the cluster does not have it installed (``MESHRUN_RAY_WORKING_DIR``),
+and the user's code directory (``spec.code.working_dir``) when the run names one: as the job's ``working_dir``,
+or as ``py_modules`` (one per top-level package) when meshrun itself is shipped as the working dir. Every Ray
+Train worker inherits the job's runtime env.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shlex
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,13 @@ PASS_THROUGH_ENV = (
 )
 CODE_EXCLUDES = [".git", "**/__pycache__", "*.pyc", ".venv", "venv", "*.ckpt", "*.pt", "*.safetensors"]
 MESHRUN_EXCLUDES = [".git", "**/__pycache__", "*.db", "tests", "bench"]
+
+
+def python_command() -> str:
+    """The interpreter of every meshrun Ray Job's entrypoint: the service's own (``sys.executable``), so a
+    service run from a venv that is not activated starts drivers with meshrun's dependencies, not whatever
+    ``python`` PATH finds."""
+    return shlex.quote(sys.executable)
 
 
 def _packages(root: Path) -> list[Path]:
@@ -75,6 +85,11 @@ def job_runtime_env(
         "MESHRUN_RAY_GCS_ADDRESS": "" if (gcs_address or "").startswith("ray://") else (gcs_address or ""),
         "PYTHONPATH": os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH")) if p),
     }
+    if env["MESHRUN_RAY_GCS_ADDRESS"]:
+        # Every Ray call in the job's processes (the driver, Tune trials, Train's controller and its placement
+        # group cleaner, the workers) resolves a default address through RAY_ADDRESS; unset, Ray scans the
+        # host and fails with "Found multiple active Ray instances" when another cluster runs there.
+        env["RAY_ADDRESS"] = env["MESHRUN_RAY_GCS_ADDRESS"]
     if dashboard_url:
         env["MESHRUN_DASHBOARD_URL"] = dashboard_url
     env.update({k: os.environ[k] for k in PASS_THROUGH_ENV if os.environ.get(k)})

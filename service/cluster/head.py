@@ -41,6 +41,22 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0
+# Logical CPU slots of an owned head when MESHRUN_RAY_NUM_CPUS is unset: at least this many, so every example (the
+# 3-D demo has 8 one-CPU workers) and a sweep trial's driver fit on a 2-core laptop. Ray CPUs are scheduling
+# slots, not cores: tiny CPU workers share the cores (oversubscribed; each worker runs torch with 1 thread).
+MIN_LOCAL_CPU_SLOTS = 10
+
+
+def local_cpu_slots(requested: int | None) -> tuple[int, str]:
+    """The owned head's CPU slots and the sentence the service logs about them."""
+    cores = os.cpu_count() or 1
+    if requested is not None:
+        return requested, f"{requested} CPU slots on {cores} cores (MESHRUN_RAY_NUM_CPUS)"
+    slots = max(cores, MIN_LOCAL_CPU_SLOTS)
+    over = f", {slots / cores:.1f}x oversubscribed: small CPU workers share cores" if slots > cores else ""
+    return slots, f"{slots} logical CPU slots on {cores} cores{over} (set MESHRUN_RAY_NUM_CPUS to change)"
+
+
 PROBE_TIMEOUT_S = 1.0
 
 
@@ -254,8 +270,9 @@ class RayCluster:
         self.temp_dir = ray_dir if len(str(ray_dir)) <= 40 else Path(f"/tmp/meshrun-ray-{self.gcs_port}")
         self.temp_dir.mkdir(parents=True, exist_ok=True)
         cmd.append(f"--temp-dir={self.temp_dir}")
-        if self.num_cpus is not None:
-            cmd.append(f"--num-cpus={self.num_cpus}")
+        self.num_cpus, slots_note = local_cpu_slots(self.num_cpus)
+        cmd.append(f"--num-cpus={self.num_cpus}")
+        logger.info("Ray head: %s", slots_note)
         if self.num_gpus is not None:
             cmd.append(f"--num-gpus={self.num_gpus}")
         if self.node_labels:

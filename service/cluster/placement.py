@@ -244,8 +244,18 @@ def place(
     )
 
 
-def never_fits(plan: PlanLike, nodes: list[NodeCapacity]) -> str | None:
-    """Why ``plan`` can never run on this cluster (even empty), or None if it could."""
+def never_fits(
+    plan: PlanLike, nodes: list[NodeCapacity], *, cpu_setting: str | None = None, reserved_cpu: float = 0.0
+) -> str | None:
+    """Why ``plan`` can never run on this cluster (even empty), or None if it could. The reason names the
+    smaller layout that would fit and, for CPU workers, ``cpu_setting`` (the setting that sizes the cluster's
+    CPU slots, when the service owns it) with the value that would fit. ``reserved_cpu``: CPUs the work's own
+    helpers hold on any node while it runs (a sweep's trial drivers), taken from every node's total."""
+    if reserved_cpu > 0:
+        nodes = [
+            NodeCapacity(n.node_id, {**n.total, "CPU": max(0.0, n.total.get("CPU", 0.0) - reserved_cpu)}, n.free)
+            for n in nodes
+        ]
     res = worker_resources(plan)
     if res.get("GPU") and not any(n.total.get("GPU", 0) > 0 for n in nodes):
         return (
@@ -253,7 +263,37 @@ def never_fits(plan: PlanLike, nodes: list[NodeCapacity]) -> str | None:
             "(use resources.device: cpu)"
         )
     p = place(plan, nodes, use_free=False, pin=False)
-    return None if p.fits else p.reason
+    if p.fits:
+        return None
+    fixes = []
+    if cpu_setting and not p.use_gpu and len(nodes) == 1:
+        have = nodes[0].total.get("CPU", 0.0)
+        need = int(-(-p.world_size * res.get("CPU", 1.0) // 1)) + 1  # the workers + the run's driver
+        if need > have:
+            fixes.append(f"restart the service with {cpu_setting}={need} (logical CPU slots; workers share cores)")
+    smaller = smaller_layout(plan, nodes)
+    if smaller:
+        fixes.append(f"use a smaller layout that fits: {smaller}")
+    held = f" (after the {reserved_cpu:g} CPU its sweep's trial drivers hold)" if reserved_cpu > 0 else ""
+    return p.reason + held + (f"; {' or '.join(fixes)}" if fixes else "")
+
+
+def smaller_layout(plan: PlanLike, nodes: list[NodeCapacity]) -> str | None:
+    """The largest layout that fits the empty cluster, reached by halving dp, then pp, then tp
+    ("dp=1, tp=2, pp=2 (4 workers)"), or None."""
+    deg = {k: max(1, int(_get(plan, k, 1) or 1)) for k in ("dp", "tp", "pp")}
+    res = worker_resources(plan)
+    while True:
+        for k in ("dp", "pp", "tp"):
+            if deg[k] > 1:
+                deg[k] = deg[k] // 2 if deg[k] % 2 == 0 else 1
+                break
+        else:
+            return None
+        world = deg["dp"] * deg["tp"] * deg["pp"]
+        trial = {"world_size": world, "tp": deg["tp"], "resources_per_worker": res, "device": _get(plan, "device")}
+        if place(trial, nodes, use_free=False, pin=False).fits:
+            return f"dp={deg['dp']}, tp={deg['tp']}, pp={deg['pp']} ({world} workers)"
 
 
 def reservation(p: Placement) -> dict[str, dict[str, float]]:

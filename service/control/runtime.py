@@ -192,7 +192,7 @@ class Runtime:
             return None
         return planning_cluster([n.total for n in alive])
 
-    def never_fits(self, plan: Plan | dict[str, Any]) -> str | None:
+    def never_fits(self, plan: Plan | dict[str, Any], *, reserved_cpu: float = 0.0) -> str | None:
         try:
             nodes = self.capacities()
         except Exception:
@@ -200,7 +200,12 @@ class Runtime:
             return None
         if not nodes:
             return None
-        return _never_fits(plan, nodes)
+        return _never_fits(
+            plan,
+            nodes,
+            cpu_setting="MESHRUN_RAY_NUM_CPUS" if self.ray_cluster.owned else None,
+            reserved_cpu=reserved_cpu,
+        )
 
     # ------------------------------------------------------------------------------------------- runs
     def cancel_run(self, run_id: str, actor: str | None = None) -> None:

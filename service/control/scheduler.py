@@ -8,7 +8,8 @@
   reason of every wait: "needs 8 worker slots of 1 CPU; 3 free"); *act* on each decision: an admitted run moves to
   STARTING and gets one Ray Job (``python -m service.runs.driver --run-id ...``, submission id
   ``meshrun-<run>-<n>``, metadata run id/name/project, the placement in its environment); a waiting one gets the
-  reason; a failed submission re-queues the run with the error.
+  reason; a failed submission re-queues the run with the error. A sweep trial's run (``sweep_id`` set) joins the
+  same queue: admitted, it only moves to STARTING (its sweep's driver waits for that, then starts its workers).
 - reconcile: every STARTING/RUNNING run against its Ray Job: pending/running -> keep; gone, failed, stopped or
   finished without the driver having ended the run -> FAILED "driver lost" with Ray's message; a running run whose
   pinned node died -> FAILED "node lost" (and its job stopped). Runs keep their metrics. Also done once at start-up.
@@ -27,7 +28,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.spec import RunStatus
 from service import store
-from service.cluster.env import job_runtime_env
+from service.cluster.env import job_runtime_env, python_command
 from service.cluster.head import NodeView
 from service.cluster.jobs import JobsBackend, submission_id, submission_number, trim
 from service.cluster.placement import NodeCapacity, Placement, add_reservations, reservation
@@ -131,10 +132,41 @@ class Scheduler:
             queued = store.queued_runs(s)
             queue = [Candidate(id=r.id, plan=r.plan, priority=r.priority or 0, queued_at=r.created_at) for r in queued]
             runs = {r.id: (r.name, r.project, r.ray_job_id, r.attempts or 0) for r in queued}
+            trials = {r.id for r in queued if r.sweep_id}
         if not queue:
             return []
         decisions = decide(queue, self.capacities(), self._reserved()).decisions
-        return [d.candidate.id for d in decisions if self._act(d, *runs[d.candidate.id])]
+        admitted = []
+        for d in decisions:
+            if d.candidate.id in trials:
+                ok = self._act_trial(d, attempts=runs[d.candidate.id][3])
+            else:
+                ok = self._act(d, *runs[d.candidate.id])
+            if ok:
+                admitted.append(d.candidate.id)
+        return admitted
+
+    def _act_trial(self, d: Decision, *, attempts: int) -> bool:
+        """A sweep trial's run in the queue: admitted -> STARTING (its sweep's driver, waiting for this, then starts
+        the workers in the sweep's Ray Job: no job of its own); waiting -> the reason."""
+        run_id = d.candidate.id
+        if d.action != "admit" or d.placement is None:
+            return self._act(d, "", "", None, attempts)  # wait/fail as for any run
+        with session_scope(self.factory) as s:
+            try:
+                store.transition(
+                    s,
+                    run_id=run_id,
+                    to=RunStatus.STARTING,
+                    actor="scheduler",
+                    reason=f"{d.reason}; the sweep's driver starts the workers",
+                    allow_from=[RunStatus.QUEUED],
+                )
+            except store.Conflict:
+                return False
+        self.pending[run_id] = _Pending(placement=d.placement, attempts_at_admission=attempts)
+        logger.info("sweep trial run %s admitted", run_id)
+        return True
 
     def _act(self, d: Decision, name: str, project: str, old_job: str | None, attempts: int) -> bool:
         """Carry out one decision; True when the run was admitted (submitted as its Ray Job)."""
@@ -193,7 +225,7 @@ class Scheduler:
         code_dir = resolve_code_dir(code, self.settings) if code else None
         try:
             self.jobs.submit(
-                entrypoint=f"{_python()} -m service.runs.driver --run-id {run_id}",
+                entrypoint=f"{python_command()} -m service.runs.driver --run-id {run_id}",
                 submission_id=sid,
                 # job_name: the name Ray's job list shows
                 metadata={"run_id": run_id, "name": name, "job_name": name, "project": project, "meshrun": "run"},
@@ -223,7 +255,9 @@ class Scheduler:
     def reconcile(self) -> list[str]:
         """Fail runs whose driver is gone (or whose pinned node died). Returns their ids."""
         with session_scope(self.factory) as s:
-            active = [(r.id, r.status, r.ray_job_id, dict(r.rank_nodes or {})) for r in store.active_runs(s)]
+            # queued sweep trials too: their sweep's Ray Job gone, they would block the queue forever
+            runs = store.active_runs(s) + [r for r in store.queued_runs(s) if r.sweep_id and r.ray_job_id]
+            active = [(r.id, r.status, r.ray_job_id, dict(r.rank_nodes or {})) for r in runs]
         lost: list[str] = []
         dead: set[str] | None = None
         for run_id, status, job_id, rank_nodes in active:
@@ -284,7 +318,3 @@ class Scheduler:
             except store.Conflict:
                 return False
         return True
-
-
-def _python() -> str:
-    return "python"

@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.actor import ActorHandle
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.v2.api.config import FailureConfig  # Train V2 (the default): has controller_failure_limit
 
 from api.spec import Plan, RunSpec
 from service.cluster.jobs import ChannelCallback, channel_name
@@ -46,6 +47,9 @@ STOP_POLL_S = 0.5
 def train_run_name(run_id: str, submission: int) -> str:
     """The Ray Train run name of a run's ``submission``-th Ray Job (unique: Train keeps state per name)."""
     return f"{run_id}-s{submission}"
+
+
+RUN_START_RETRIES = 2
 
 
 def scaling_config(plan: Plan, placement: Placement | None) -> ScalingConfig:
@@ -100,7 +104,12 @@ def build_trainer(
         run_config=RunConfig(
             name=train_run_name,
             storage_path=storage,
-            failure_config=FailureConfig(max_failures=spec.resources.max_failures),
+            # a worker group that cannot start (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, 60 s) is a controller
+            # failure, retried forever by default: a sweep trial fails at once with that reason, a run retries twice
+            failure_config=FailureConfig(
+                max_failures=spec.resources.max_failures,
+                controller_failure_limit=0 if stoppable else RUN_START_RETRIES,
+            ),
             checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep),
             # a Train V2 UserCallback; RunConfig's annotation still names the Tune callback base
             callbacks=[ChannelCallback(channel)],  # type: ignore[list-item]

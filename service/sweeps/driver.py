@@ -3,10 +3,13 @@
 It runs a Ray Tune ``Tuner`` over the sweep's PENDING trials (a grid over the trial ids, best predicted first),
 the Train V2 pattern (a trial reserves only its driver; Train makes its own placement group):
 
-- each Tune trial runs ``run_trial`` and reserves only its driver (``TRIAL_RESOURCES``, a sliver of a CPU). A trial
-  IS a run: ``service.sweeps.trials.prepare_trial_run`` creates its ``runs`` row (``sweep_id`` set), and the run
-  goes through the run lifecycle of every run (``service.runs.lifecycle``: RUNNING, its channel drained into
-  attempts, events and per-step metrics, its end) with a stoppable ``TorchTrainer`` (``service.runs.trainer``);
+- each Tune trial runs ``run_trial`` and reserves only its driver (``TRIAL_RESOURCES``, a sliver of a CPU, which
+  the sweep's expansion counts: a candidate that cannot be placed beside its sweep's trial drivers is SKIPPED). A
+  trial IS a run: ``service.sweeps.trials.prepare_trial_run`` creates its ``runs`` row (``sweep_id`` set), QUEUED
+  in the scheduler's queue like any run (``wait_for_admission``); admitted, the run goes through the run lifecycle
+  of every run (``service.runs.lifecycle``: RUNNING, its channel drained into attempts, events and per-step
+  metrics, its end) with a stoppable ``TorchTrainer`` (``service.runs.trainer``) whose workers must start within
+  Ray Train's worker-group start timeout (60 s) or the trial fails with that reason (no endless retry);
 - concurrency is bounded by ``TuneConfig(max_concurrent_trials=budget.max_concurrent_trials)``;
 - ``run_trial`` reports the running mean of the objective over the post-warm-up steps to Tune (every report
   carries the metric ``objective``); ``SlowTrialStopper`` (``service.sweeps.stopping``) stops a trial that, after
@@ -46,9 +49,10 @@ from service.runs.trainer import build_trainer, train_run_name
 from service.settings import Settings
 from service.store.db import session_scope, shared_sessionmaker
 from service.sweeps.execution import DRIVER_ACTOR, finish_sweep
+from service.sweeps.expansion import TRIAL_DRIVER_CPU
 from service.sweeps.measurement import Measurement
 from service.sweeps.state import SweepStatus, TrialStatus, get_sweep, list_trials, transition_sweep
-from service.sweeps.stopping import METRIC, TIME_ATTR, GracefulStop, SlowTrialStopper
+from service.sweeps.stopping import METRIC, TIME_ATTR, GracefulStop, SlowTrialStopper, early_stop_grace
 from service.sweeps.trials import (
     TrialRun,
     close_trial,
@@ -56,11 +60,12 @@ from service.sweeps.trials import (
     early_stop_reason,
     observe_trial,
     prepare_trial_run,
+    wait_for_admission,
 )
 
 logger = logging.getLogger("meshrun.sweep_driver")
 
-TRIAL_RESOURCES = {"CPU": 0.01}
+TRIAL_RESOURCES = {"CPU": TRIAL_DRIVER_CPU}
 REPORT_INTERVAL_S = 0.5
 STOP_WAIT_S = 90.0
 DASHBOARD_ENV = "MESHRUN_DASHBOARD_URL"
@@ -169,6 +174,11 @@ def run_trial(config: dict[str, Any]) -> None:
     if tr is None:
         tune.report({METRIC: 0.0, TIME_ATTR: 0, "final": True, "failed": True, "not_run": True})
         return
+    admitted = wait_for_admission(factory, tr.run_id)  # the scheduler's queue, like every run
+    if admitted != RunStatus.STARTING:  # ended while queued (its sweep or the run cancelled)
+        m = conclude_trial(factory, tr, Outcome(None, f"ended while queued ({admitted.value})"), external=admitted)
+        _report(m, tr.objective, run_id=tr.run_id, final=True, failed=True)
+        return
     name = train_run_name(tr.run_id, 1)
     life = RunLifecycle(factory, tr.run_id, actor=DRIVER_ACTOR, warmup_steps=tr.warmup_steps, train_run_name=name)
     life.start(f"trial driver started (Tune trial {tune_trial_id})")
@@ -267,7 +277,7 @@ def run_sweep(settings: Settings, sweep_id: str) -> str:
     ray.init(address=os.environ.get(GCS_ADDRESS_ENV) or None, logging_level=logging.WARNING, log_to_driver=True)
     measured = create.budget.steps_per_trial - create.budget.warmup_steps
     stopper = (
-        SlowTrialStopper(grace_steps=max(1, measured // 2), on_stop=GracefulStop(settings.database_url))
+        SlowTrialStopper(grace_steps=early_stop_grace(measured), on_stop=GracefulStop(settings.database_url))
         if create.early_stopping
         else None
     )

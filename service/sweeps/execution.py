@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.spec import RunSpec, RunStatus, SweepCreate
 from service import store
-from service.cluster.env import job_runtime_env
+from service.cluster.env import job_runtime_env, python_command
 from service.cluster.jobs import submission_id, submission_number, trim
 from service.security.policy import resolve_code_dir
 from service.store.db import session_scope
@@ -86,7 +86,7 @@ def start_sweep(host: SweepHost, sweep_id: str) -> bool:
     sid = submission_id(sweep_id, n)
     try:
         jobs.submit(
-            entrypoint=f"python -m {DRIVER_MODULE} --sweep-id {sweep_id}",
+            entrypoint=f"{python_command()} -m {DRIVER_MODULE} --sweep-id {sweep_id}",
             submission_id=sid,
             metadata={
                 "sweep_id": sweep_id,

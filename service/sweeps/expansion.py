@@ -1,7 +1,8 @@
 """Expansion of a sweep into trials, and the creation of a sweep.
 
 A sweep (``api.spec.SweepCreate``) is a base run spec, a search space (explicit layouts x micro-batch sizes, or
-``auto``: the planner's top feasible candidates for the live cluster), an objective (``tokens_per_s`` | ``mfu``)
+``auto``: the planner's top feasible candidates for the live cluster; ``add_auto``: both, the listed ones first),
+an objective (``tokens_per_s`` | ``mfu``)
 and a budget. ``create_sweep`` expands it into trials, each checked like a submitted run:
 
 - ``api.spec.validation.check_spec`` errors -> trial SKIPPED with ``"<param>: <message>"``;
@@ -9,7 +10,8 @@ and a budget. ``create_sweep`` expands it into trials, each checked like a submi
   calibration of that cluster) is recorded per trial; a layout predicted NOT to fit in memory is SKIPPED with
   the planner's reason -- unless the base spec sets ``skip_memory_check: true``, in which case it runs so that
   the real failure (OOM) is recorded. (Auto candidates are feasible by construction.)
-- a layout the cluster can never place (the host's ``never_fits``) -> SKIPPED with the reason;
+- a layout the cluster can never place beside the sweep's own trial drivers (``TRIAL_DRIVER_CPU`` x
+  ``max_concurrent_trials``, the host's ``never_fits``) -> SKIPPED with the reason, before anything starts;
 - the runnable trials are ranked by predicted objective; those beyond ``budget.max_trials`` are SKIPPED
   ("over budget"), so the budget goes to the predicted contenders.
 
@@ -45,6 +47,7 @@ from service.sweeps.state import SweepStatus, TrialStatus, add_trial, new_sweep_
 log = logging.getLogger(__name__)
 
 MAX_CANDIDATES = 1024
+TRIAL_DRIVER_CPU = 0.01  # what each Tune trial's driver reserves (service.sweeps.driver.TRIAL_RESOURCES)
 AUTO_WORLD_SIZES = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
@@ -167,7 +170,8 @@ def expand(
             ]
         )
     drafts: list[TrialDraft] = []
-    if create.search.layouts == "auto":
+    auto = create.search.layouts == "auto" or create.search.add_auto
+    if auto:
         if cluster is None:
             raise SpecError(
                 [
@@ -181,7 +185,7 @@ def expand(
                 ]
             )
         cands = auto_candidates(create, cluster, factors=factors)
-        if not cands:
+        if not cands and create.search.layouts == "auto":
             raise SpecError(
                 [
                     SpecIssue(
@@ -194,7 +198,8 @@ def expand(
                 ]
             )
         drafts = [TrialDraft(c.layout, c.micro_batch_size, explicit=False) for c in cands]
-    else:
+    if create.search.layouts != "auto":
+        auto_drafts, drafts = drafts, []
         mbs = create.search.micro_batch_sizes or [create.base.batch.micro_batch_size]
         if not create.search.layouts:
             raise SpecError([SpecIssue("search.layouts", "give at least one layout, or 'auto'", "invalid_spec")])
@@ -216,6 +221,8 @@ def expand(
                 if k not in seen:
                     seen.add(k)
                     drafts.append(TrialDraft(lay, int(mb)))
+        # add_auto: the planner's candidates after the listed layouts (the listed ones are kept)
+        drafts += [d for d in auto_drafts if _layout_key(d.layout, d.micro_batch_size) not in seen]
 
     for d in drafts:
         try:
@@ -319,8 +326,14 @@ def create_sweep(
         raise SpecError([SpecIssue(f"base.{i.param}", i.message, i.code) for i in model_issues])
 
     cluster, factors, key = _planning(runtime, session)
+    # the sweep's own reservations: each concurrent Tune trial holds its driver's CPU sliver beside its workers
+    held = TRIAL_DRIVER_CPU * create.budget.max_concurrent_trials
+    host = runtime
     drafts = expand(
-        create, cluster=cluster, factors=factors, never_fits=runtime.never_fits if runtime is not None else None
+        create,
+        cluster=cluster,
+        factors=factors,
+        never_fits=(lambda plan: host.never_fits(plan, reserved_cpu=held)) if host is not None else None,
     )
     if not any(d.status == TrialStatus.PENDING for d in drafts):
         reasons = "; ".join(f"[{short_layout(d.layout)} mb={d.micro_batch_size}] {d.reason}" for d in drafts[:5])

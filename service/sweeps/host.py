@@ -30,5 +30,5 @@ class SweepHost(Protocol):
     def planning_cluster(self) -> ClusterSpec | None:
         """The live cluster as the planner sees it (None when unknown)."""
 
-    def never_fits(self, plan: Plan | dict[str, Any]) -> str | None:
-        """Why ``plan`` can never be placed on the cluster, or None."""
+    def never_fits(self, plan: Plan | dict[str, Any], *, reserved_cpu: float = 0.0) -> str | None:
+        """Why ``plan`` can never be placed on the cluster beside ``reserved_cpu`` held by its sweep, or None."""

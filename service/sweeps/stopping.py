@@ -22,6 +22,16 @@ from service.sweeps.trials import note_stop_request
 logger = logging.getLogger(__name__)
 
 EARLY_STOP_RATIO = 0.5
+MIN_MEASURED_STEPS = 3
+
+
+def early_stop_grace(measured_steps: int) -> int:
+    """The rule: a trial can be stopped early only after max(3, half its measured steps) measured (post-warm-up)
+    steps, and only when its running mean is below ``EARLY_STOP_RATIO`` (0.5) x the best objective another trial
+    reported. Fewer than 3 measured steps are noise: a sweep with fewer measured steps per trial never stops one."""
+    return max(MIN_MEASURED_STEPS, measured_steps // 2)
+
+
 METRIC = "objective"
 TIME_ATTR = "steps_measured"
 STOP_REQUEST_TIMEOUT_S = 10.0

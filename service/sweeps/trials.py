@@ -1,7 +1,8 @@
 """A sweep trial IS a run: the trial's side of the sweep driver (``service.sweeps.driver``).
 
-- ``prepare_trial_run``: when Ray Tune starts a trial, create its run (QUEUED -> STARTING in one transaction, so the
-  scheduler never admits it: its Ray Job is the sweep's) and move the trial PENDING -> RUNNING;
+- ``prepare_trial_run``: when Ray Tune starts a trial, create its run QUEUED (in the scheduler's queue like any run;
+  admitted, it moves to STARTING without a Ray Job of its own: its Ray Job is the sweep's) and move the trial
+  PENDING -> RUNNING; ``wait_for_admission`` waits for the scheduler's decision;
 - ``observe_trial``: while it trains, the run's status and the trial's measurement (recorded on the trial);
 - ``conclude_trial``: the trial's status from how its run ended (SUCCEEDED, FAILED, an early stop -> EARLY_STOPPED,
   the run cancelled by someone else -> CANCELLED);
@@ -15,6 +16,7 @@ The run's own records (attempts, metrics, checkpoints, its end) go through ``ser
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,14 +106,14 @@ def prepare_trial_run(
             created_by=sweep.created_by,
             sweep_id=sweep_id,
         )
-        store.transition(
+        # QUEUED: the scheduler admits it like any run (same queue, same order); ``wait_for_admission`` waits
+        run.ray_job_id = job_id
+        run.dashboard_url = f"{dashboard_url}/#/jobs/{job_id}" if dashboard_url and job_id else None
+        store.set_reason(
             s,
             run_id=run.id,
-            to=RunStatus.STARTING,
-            actor=DRIVER_ACTOR,
-            reason=f"trial {t.id} of sweep {sweep_id}: started by Ray Tune (trial {tune_trial_id}) in Ray Job {job_id}",
-            ray_job_id=job_id,
-            dashboard_url=f"{dashboard_url}/#/jobs/{job_id}" if dashboard_url and job_id else None,
+            reason=f"trial {t.id} of sweep {sweep_id} (Ray Tune trial {tune_trial_id}, Ray Job {job_id}): "
+            "waiting for admission",
         )
         t.run_id = run.id
         transition_trial(s, trial=t, to=TrialStatus.RUNNING, reason=None, actor=DRIVER_ACTOR)
@@ -124,6 +126,20 @@ def prepare_trial_run(
             warmup_steps=create.budget.warmup_steps,
             objective=sweep.objective,
         )
+
+
+def wait_for_admission(
+    factory: sessionmaker[Session], run_id: str, *, poll_s: float = 0.5, timeout_s: float | None = None
+) -> RunStatus:
+    """Until the scheduler admits the trial's run (STARTING) or it ends (a cancel). Returns that status; QUEUED
+    after ``timeout_s`` (None: no bound: the queue decides)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        with session_scope(factory) as s:
+            status = RunStatus(store.get_run(s, run_id=run_id).status)
+        if status != RunStatus.QUEUED or (deadline is not None and time.monotonic() > deadline):
+            return status
+        time.sleep(poll_s)
 
 
 def observe_trial(factory: sessionmaker[Session], tr: TrialRun) -> tuple[RunStatus, Measurement]:

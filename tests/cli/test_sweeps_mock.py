@@ -114,3 +114,29 @@ def test_cli_sweeps_list_and_show_json(fake):
     assert r.exit_code == 0 and len(json.loads(r.stdout)["trials"]) == 2
     r = CliRunner().invoke(cli_mod.app, ["sweeps", "show", "sweep-404"])
     assert r.exit_code == 3
+
+
+def test_cli_layouts_auto_adds_to_the_specs_layouts_and_says_so(fake):
+    r = CliRunner(env={"COLUMNS": "200"}).invoke(cli_mod.app, [
+        "sweep", str(EXAMPLES / "sweep.yaml"), "--layouts", "auto", "--max-trials", "3", "--no-progress"])
+    assert r.exit_code == 0, r.output
+    assert fake.created["search"]["add_auto"] is True and len(fake.created["search"]["layouts"]) == 3
+    assert "adding the planner's candidates" in r.output
+
+
+def test_sweep_progress_counts_skipped_trials_apart():
+    from rich.console import Console
+
+    from api.sdk._progress import SweepProgress
+
+    svc = FakeSweepService()
+    svc.created = SweepCreate.model_validate(
+        __import__("yaml").safe_load((EXAMPLES / "sweep.yaml").read_text())).model_dump(mode="json")
+    sweep = sdk.Client("http://fake", transport=httpx.MockTransport(svc.handler)).sweeps.get("sweep-1")
+    sweep.trials[0].status = "SKIPPED"  # one skipped, one running: 0 of 1 done
+    console = Console(record=True, width=200)
+    view = SweepProgress(console)
+    view.update(sweep)
+    view.close()
+    text = console.export_text()
+    assert "0/1" in text and "(1 skipped)" in text

@@ -98,10 +98,46 @@ def test_reservations_of_admitted_runs_count_as_used():
     assert add_reservations(reserved, reserved) == {"a": {"CPU": 8.0}}
 
 
+def test_never_fits_names_the_cpu_setting_and_the_smaller_layout():
+    """A 3-D layout on a 4-slot head: the 422 names the setting (with the value that fits: 8 workers + the driver)
+    and the largest layout (dp halved first, then pp) that would fit now."""
+    reason = never_fits(plan_for(dp=2, tp=2, pp=2), [node("a", 4)], cpu_setting="MESHRUN_RAY_NUM_CPUS")
+    assert reason == ("needs 8 worker slots of 1 CPU; 4 in the cluster; restart the service with "
+                      "MESHRUN_RAY_NUM_CPUS=9 (logical CPU slots; workers share cores) or use a smaller layout that "
+                      "fits: dp=1, tp=2, pp=2 (4 workers)")
+    assert "MESHRUN_RAY_NUM_CPUS" not in never_fits(plan_for(dp=8), [node("a", 4)])  # not the service's own head
+    assert never_fits(plan_for(tp=4), [node(n, 2) for n in "ab"]).endswith("dp=1, tp=2, pp=1 (2 workers)")
+
+
+def test_default_local_cpu_slots_fit_every_example(monkeypatch):
+    import os
+
+    from service.cluster.head import MIN_LOCAL_CPU_SLOTS, local_cpu_slots
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    slots_, note = local_cpu_slots(None)
+    assert slots_ == MIN_LOCAL_CPU_SLOTS and "5.0x oversubscribed" in note and "MESHRUN_RAY_NUM_CPUS" in note
+    assert local_cpu_slots(3)[0] == 3
+    from pathlib import Path
+
+    import yaml
+
+    for path in sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml")):
+        doc = yaml.safe_load(path.read_text())
+        if path.name == "plan-7b.yaml":
+            continue
+        specs = [doc] if path.name != "sweep.yaml" else [
+            {**doc["base"], "layout": lay} for lay in doc["search"]["layouts"]]
+        for raw in specs:
+            plan = build_plan(RunSpec.model_validate(raw))
+            assert never_fits(plan, [node("head", slots_)]) is None, path.name
+
+
 def test_never_fits_uses_totals_not_free():
     nodes = [node("a", 4, free=0), node("b", 4, free=0)]
     assert never_fits(plan_for(dp=8), nodes) is None  # busy now, but could run later
-    assert never_fits(plan_for(dp=16), nodes) == "needs 16 worker slots of 1 CPU; 8 in the cluster"
+    assert never_fits(plan_for(dp=16), nodes) == ("needs 16 worker slots of 1 CPU; 8 in the cluster; use a smaller "
+                                                  "layout that fits: dp=8, tp=1, pp=1 (8 workers)")
     assert "tensor-parallel group" in never_fits(plan_for(dp=2, tp=4), [node(n, 3, free=0) for n in "abc"])
     assert "no GPUs" in never_fits(plan_for(dp=1, device="gpu"), nodes)
 
@@ -285,3 +321,35 @@ def test_ray_worker_tp_check_matches_the_rank_order():
     assert worker_check(["a"] * 4 + ["b"] * 4, 4) is None
     msg = worker_check(["a", "a", "b", "b"], 4)
     assert msg is not None and "ranks 0..3" in msg and "tp=4" in msg
+
+
+def test_a_sweep_trials_run_joins_the_same_queue_and_gets_no_ray_job_of_its_own(sched):
+    """A trial's run (sweep_id set) waits in FIFO order like any run; admitted, it moves to STARTING with the
+    reservation counted, and no Ray Job is submitted (its sweep's driver starts its workers). A queued trial whose
+    sweep's Ray Job is gone is failed so it cannot block the queue."""
+    from service import store
+    from service.store.db import session_scope
+    from service.store.models import Sweep
+
+    with session_scope(sched.factory) as s:
+        for sid in ("sw_a", "sw_b"):
+            s.add(Sweep(id=sid, name=sid, project="default", status="RUNNING", objective="tokens_per_s", spec={}))
+    big = _add_run(sched, "big", dp=8)  # waits: 6 CPUs
+    trial = _add_run(sched, "trial", dp=2)
+    gone = _add_run(sched, "gone-trial", dp=2)
+    with session_scope(sched.factory) as s:
+        for rid, sid, job in ((trial, "sw_a", "meshrun-sw_a-1"), (gone, "sw_b", "meshrun-sw_b-1")):
+            r = store.get_run(s, run_id=rid)
+            r.sweep_id, r.ray_job_id = sid, job
+    sched.jobs.states["meshrun-sw_a-1"] = "RUNNING"  # sw_b's job: MISSING
+    sched.tick()
+    assert _run(sched, big)[:2] == ("QUEUED", "needs 8 worker slots of 1 CPU; 6 free")
+    assert _run(sched, trial)[0] == "QUEUED" and "waiting behind run" in _run(sched, trial)[1]
+    assert _run(sched, gone)[0] == "FAILED" and "meshrun-sw_b-1 is MISSING" in _run(sched, gone)[1]
+    with session_scope(sched.factory) as s:
+        store.transition(s, run_id=big, to="CANCELLED", reason="test")
+    submitted = len(sched.jobs.submitted)
+    sched.tick()
+    status, reason, job = _run(sched, trial)
+    assert status == "STARTING" and reason.startswith("admitted: 2 workers") and job == "meshrun-sw_a-1"
+    assert len(sched.jobs.submitted) == submitted and trial in sched.pending

@@ -74,10 +74,11 @@ class FakeRuntime:
     def planning_cluster(self) -> ClusterSpec | None:
         return self._cluster
 
-    def never_fits(self, plan: Any) -> str | None:
+    def never_fits(self, plan: Any, *, reserved_cpu: float = 0.0) -> str | None:
         from service.cluster.placement import NodeCapacity
 
-        return placement_never_fits(plan, [NodeCapacity("n1", {"CPU": self._cpus}, {"CPU": self._cpus})])
+        return placement_never_fits(plan, [NodeCapacity("n1", {"CPU": self._cpus}, {"CPU": self._cpus})],
+                                    reserved_cpu=reserved_cpu)
 
 
 @pytest.fixture

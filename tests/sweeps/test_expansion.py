@@ -112,3 +112,24 @@ def test_best_trial_is_the_highest_measured_among_finished_ones():
     assert best_trial(trials, "tokens_per_s").id == 4
     assert best_trial(trials, "mfu").id == 3
     assert best_trial([_T(1, "FAILED", 10.0)], "tokens_per_s") is None
+
+
+def test_a_candidate_that_cannot_sit_beside_the_sweeps_trial_drivers_is_skipped_before_it_starts():
+    """6 CPU slots: dp=6 fits an empty cluster, not beside the trial drivers' CPU slivers (the hang of issue 19)."""
+    rt = FakeRuntime(None, None, cpus=6)
+    drafts = expand(make(search={"layouts": [{"dp": 6}, {"dp": 2}], "micro_batch_sizes": [1]},
+                         base=tiny_base(batch={"global_batch_size": 12, "micro_batch_size": 1})),
+                    cluster=cpu_cluster(), never_fits=lambda plan: rt.never_fits(plan, reserved_cpu=0.01))
+    six, two = drafts
+    assert six.status == TrialStatus.SKIPPED and six.reason.startswith("cannot be placed on this cluster: needs 6")
+    assert "trial drivers hold" in six.reason
+    assert two.status == TrialStatus.PENDING
+
+
+def test_add_auto_keeps_the_listed_layouts_first_and_adds_the_planners():
+    create = make(search={"layouts": [{"dp": 2}], "micro_batch_sizes": [1], "add_auto": True})
+    drafts = expand(create, cluster=cpu_cluster(4), never_fits=None)
+    assert (drafts[0].layout, drafts[0].micro_batch_size) == (Layout(dp=2), 1) and drafts[0].explicit
+    assert len(drafts) > 1 and not any(d.explicit for d in drafts[1:])
+    keys = [(d.layout.model_dump_json(), d.micro_batch_size) for d in drafts]
+    assert len(keys) == len(set(keys))  # the listed layout is not repeated by auto

@@ -10,7 +10,7 @@ from service.store.db import session_scope
 from service.store.models import Trial
 from service.sweeps import TrialStatus, finish_sweep, get_sweep, transition_sweep, transition_trial
 from service.sweeps.state import SWEEP_ALLOWED, TRIAL_ALLOWED, SweepStatus
-from service.sweeps.trials import TrialRun, close_trial, conclude_trial, prepare_trial_run
+from service.sweeps.trials import TrialRun, close_trial, conclude_trial, prepare_trial_run, wait_for_admission
 from service.runs.lifecycle import Outcome
 from api.sdk import Client
 from api.spec import RunStatus
@@ -75,7 +75,13 @@ def test_a_trials_life_as_a_run_is_recorded_step_by_step(api):
     assert isinstance(tr, TrialRun) and tr.spec.train.steps == 6 and tr.spec.name.endswith(f"-t{pending[0]}")
     assert prepare_trial_run(factory, sw["id"], pending[0], job_id="j", tune_trial_id="t") is None  # not PENDING
     run = api.get(f"/v1/runs/{tr.run_id}").json()
-    assert run["status"] == "STARTING" and run["sweep_id"] == sw["id"] and run["ray_job_id"] == "meshrun-x-1"
+    # the trial's run waits in the scheduler's queue like any run; the scheduler admits it (STARTING)
+    assert run["status"] == "QUEUED" and run["sweep_id"] == sw["id"] and run["ray_job_id"] == "meshrun-x-1"
+    assert run["status_reason"].endswith("waiting for admission")
+    assert wait_for_admission(factory, tr.run_id, timeout_s=0) == RunStatus.QUEUED
+    with session_scope(factory) as s:
+        store.transition(s, run_id=tr.run_id, to=RunStatus.STARTING, reason="admitted", actor="scheduler")
+    assert wait_for_admission(factory, tr.run_id, timeout_s=0) == RunStatus.STARTING
     with session_scope(factory) as s:
         store.transition(s, run_id=tr.run_id, to=RunStatus.RUNNING, reason="trial driver started")
         store.end_run(s, run_id=tr.run_id, to=RunStatus.CANCELLED, reason="early-stopped: slow")

@@ -112,8 +112,21 @@ def test_layout_sweep_end_to_end(live_service, monkeypatch):
     assert listed["total"] == len(ran)
 
 
+def free_cpus(svc) -> float:
+    return sum(n.free.get("CPU", 0.0) for n in svc.runtime.capacities())
+
+
+def wait_free_cpus(svc, expected: float, *, timeout_s: float = 60) -> float:
+    """The cluster's free CPUs once they are back to ``expected`` (or what they are after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while (got := free_cpus(svc)) != expected and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return got
+
+
 def test_cancel_running_sweep_cancels_its_trials(live_service):
     url = live_service.url
+    before = wait_free_cpus(live_service, sum(n.total.get("CPU", 0.0) for n in live_service.runtime.capacities()))
     body = sweep_body("e2e-cancel", [{"dp": 2}, {"tp": 2}], [1], steps=200, warmup=2, early_stopping=False)
     sw = httpx.post(f"{url}/v1/sweeps", json=body, timeout=60).json()
     deadline = time.monotonic() + 240
@@ -135,4 +148,6 @@ def test_cancel_running_sweep_cancels_its_trials(live_service):
     time.sleep(2)
     final = httpx.get(f"{url}/v1/sweeps/{sw['id']}", timeout=30).json()
     assert final["status"] == "CANCELLED"
+    # every slot the sweep held (trial driver, Train workers and their placement group) is free again
+    assert wait_free_cpus(live_service, before) == before
     assert httpx.post(f"{url}/v1/sweeps/{sw['id']}/cancel", timeout=30).status_code == 409

@@ -1,0 +1,31 @@
+"""Ray stays in its lane: with a second, unrelated Ray head on the host (started here, on free ports, stopped by its
+process group at the end), a run on meshrun's cluster succeeds, its Ray Job runs the service's own interpreter with
+``RAY_ADDRESS`` pinned to meshrun's cluster, Ray's job list shows the run's name, and the run's log holds no
+"multiple active Ray instances" traceback (Ray Train's placement-group cleaner used to raise it)."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+import httpx
+import pytest
+
+from tests.ray.helpers import ray_job, submit, tiny_spec, wait_for
+from tests.ray.test_health import Head, small_head  # noqa: F401 - the second head's fixture
+
+pytestmark = pytest.mark.ray
+
+
+def test_run_succeeds_beside_another_ray_head(live_service, small_head: Head) -> None:  # noqa: F811
+    assert small_head.address != live_service.runtime.gcs_address
+    url = live_service.url
+    run = submit(url, tiny_spec("lane-dp2", dp=2, steps=4))
+    done = wait_for(url, run["id"], {"SUCCEEDED"}, timeout_s=300)
+    logs = httpx.get(f"{url}/v1/runs/{run['id']}/logs", timeout=30).json()["logs"]
+    assert "multiple active Ray instances" not in logs, logs[-3000:]
+    job = ray_job(live_service, done["ray_job_id"])
+    assert job.entrypoint.startswith(shlex.quote(sys.executable) + " -m service.runs.driver"), job.entrypoint
+    env = (job.runtime_env or {}).get("env_vars", {})
+    assert env["RAY_ADDRESS"] == live_service.runtime.gcs_address
+    assert job.metadata["job_name"] == "lane-dp2"
