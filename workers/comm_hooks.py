@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from workers.metrics import CROSS_GROUP
 from workers.parallel_dims import MESH_DIM_NAMES, ParallelDims
 from workers.timeline import CpuClock, CudaClock, LinkModel, StepRecord, Wait
 
@@ -479,6 +480,8 @@ def timed_ddp_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
 
     # (no annotations: DDP checks the hook's signature and would refuse ``bucket: Any``)
     def wrapped(state, bucket):
+        buf = bucket.buffer()
+        CROSS_GROUP.send(buf.numel() * buf.element_size())
         tr = _ACTIVE
         if tr is None:
             return hook(state, bucket)

@@ -46,11 +46,12 @@ from workers.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoi
 from workers.comm_hooks import Tracker, measure_p2p_link
 from workers.data import build_batches
 from workers.diagnostics import FaultInjector, Heartbeat, RankState, install_stack_dump
-from workers.metrics import device_peak_flops
+from workers.metrics import CROSS_GROUP, device_peak_flops
 from workers.models import build_model
 from workers.optim import build_optimizer, build_scheduler
 from workers.parallel_dims import ParallelDims
 from workers.parallelize import clip_grad_norm_, grad_sync, parallelize_model
+from workers.periodic import PeriodicAverager
 from workers.pipeline import build_pipeline
 from workers.preemption import NOTICE, STOP_VOTE
 from workers.profiling import Profiler
@@ -201,6 +202,9 @@ def _train(
             model_parts = [pfn(model)]
         del model
 
+        averager = (
+            PeriodicAverager(model_parts, dims=dims, spec=spec) if spec.layout.sync in ("local_sgd", "diloco") else None
+        )
         dp_group = dims.mesh["dp_replicate"].get_group() if plan.zero_stage == 1 else None
         # one optimizer + LR scheduler per model part (pipeline parts), so checkpoints name state by part
         optimizers = [build_optimizer([m], spec, plan, dp_group=dp_group) for m in model_parts]
@@ -265,6 +269,8 @@ def _train(
         last_ckpt, t_start = None, time.time()
         for m in model_parts:
             m.train()
+        CROSS_GROUP.reload()
+        CROSS_GROUP.take()
         reporter.start()
         last_end = reporter.prev_end
         loop_t0, loop_cpu0 = time.perf_counter(), time.process_time()
@@ -312,16 +318,20 @@ def _train(
             for o, sch in zip(optimizers, schedulers):
                 sch.step()
                 o.zero_grad(set_to_none=True)
+            every = spec.checkpoint.every_steps
+            ckpt_due = bool(job.checkpoint_dir and every and step % every == 0)
+            sync_keys = averager.maybe_sync(step, force=ckpt_due) if averager is not None else {}
             tracker.end_phase()
 
             last_end = tracker.clock.mark()
             rec = tracker.end_step(last_end)
-            reporter.add(step, last_end, loss=loss if loss_owner else 0.0, grad_norm=grad_norm, lr=lr, rec=rec)
+            sync_keys["cross_group_bytes"] = CROSS_GROUP.take()
+            reporter.add(
+                step, last_end, loss=loss if loss_owner else 0.0, grad_norm=grad_norm, lr=lr, rec=rec, extra=sync_keys
+            )
             state.step_done(step)
             profiler.after_step(step, rec)
 
-            every = spec.checkpoint.every_steps
-            ckpt_due = bool(job.checkpoint_dir and every and step % every == 0)
             if reporter.due(step, force=ckpt_due):
                 state.set_phase("report")
                 want_stop, profile_vote = _poll(stop, control)

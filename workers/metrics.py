@@ -11,6 +11,7 @@ really holds).
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -109,3 +110,31 @@ def device_peak_flops(device: torch.device, precision: str) -> float:
         log.warning("unknown GPU %r: MFU assumes 312 TFLOP/s", name)
         return 312e12
     return measured_cpu_peak_flops()
+
+
+class CrossGroupLink:
+    """Bytes this process sent over the link between data-parallel groups (DDP gradient buckets, local SGD /
+    DiLoCo averagings, parameter-server pushes and pulls), and an optional artificial slowdown of that link
+    for benchmarks: ``MESHRUN_LINK_DELAY_S`` seconds per transfer plus bytes / ``MESHRUN_LINK_BYTES_PER_S``."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.reload()
+
+    def reload(self) -> None:
+        self.delay_s = float(os.environ.get("MESHRUN_LINK_DELAY_S", "0") or 0)
+        self.bytes_per_s = float(os.environ.get("MESHRUN_LINK_BYTES_PER_S", "0") or 0)
+
+    def send(self, nbytes: int) -> None:
+        self.bytes += int(nbytes)
+        wait = self.delay_s + (nbytes / self.bytes_per_s if self.bytes_per_s > 0 else 0.0)
+        if wait > 0:
+            time.sleep(wait)
+
+    def take(self) -> int:
+        """Bytes sent since the previous call."""
+        out, self.bytes = self.bytes, 0
+        return out
+
+
+CROSS_GROUP = CrossGroupLink()

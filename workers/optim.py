@@ -26,16 +26,20 @@ def param_groups(model_parts: list[nn.Module], weight_decay: float) -> list[dict
 
 
 def build_optimizer(model_parts: list[nn.Module], spec: RunSpec, plan: Plan, *, dp_group=None) -> torch.optim.Optimizer:
-    """One optimizer over every part's parameters. zero_stage 1: ``ZeroRedundancyOptimizer`` over dp."""
+    """One optimizer (AdamW, or SGD with momentum) over every part's parameters.
+    zero_stage 1: ``ZeroRedundancyOptimizer`` over dp."""
     o = spec.optimizer
     groups = param_groups(model_parts, o.weight_decay)
     kw: dict[str, Any] = dict(lr=o.lr, betas=tuple(o.betas), eps=1e-8)
+    cls: type[torch.optim.Optimizer] = torch.optim.AdamW
+    if o.name == "sgd":
+        cls, kw = torch.optim.SGD, dict(lr=o.lr, momentum=o.momentum)
     if plan.zero_stage == 1 and plan.dp > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         opt = ZeroRedundancyOptimizer(
             groups[0]["params"],
-            optimizer_class=torch.optim.AdamW,
+            optimizer_class=cls,
             process_group=dp_group,
             parameters_as_bucket_view=False,
             weight_decay=o.weight_decay,
@@ -47,7 +51,7 @@ def build_optimizer(model_parts: list[nn.Module], spec: RunSpec, plan: Plan, *, 
     params = [p for g in groups for p in g["params"]]
     if params and all(p.is_cuda and type(p.data) is torch.Tensor for p in params):
         kw["fused"] = True  # one kernel for the whole step on CUDA (plain tensors; DTensor shards use foreach)
-    return torch.optim.AdamW(groups, **kw)
+    return cls(groups, **kw)
 
 
 def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:

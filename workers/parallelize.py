@@ -3,7 +3,8 @@
 Order (torchtitan): materialise (unless FSDP on meta) -> TP (+SP) -> activation checkpointing -> FSDP2/DDP
 -> materialise (meta path). Each ``apply_*`` takes (model, mesh/group, a few plain arguments).
 
-Data-parallel flavour by ``plan.zero_stage``:
+Data-parallel flavour by ``plan.zero_stage`` (``layout.sync`` local_sgd / diloco: nothing across the replicas,
+FSDP over each replica's shard group for zero_stage 2/3; ``workers.periodic`` averages them):
 - 0: DDP (``grad_compression`` hooks) when the model is otherwise unsharded; with tp > 1 or pp > 1, FSDP2
   on the 2-D (dp_replicate, dp_shard=1) mesh, i.e. replicated parameters with all-reduced gradients (DDP
   does not take DTensor parameters).
@@ -250,10 +251,11 @@ def parallelize_model(
     dtype = _DTYPES[spec.precision]
     block_classes = spec.model.block_classes
 
+    periodic = lay.sync in ("local_sgd", "diloco")  # replicas step alone (workers.periodic averages them)
     use_fsdp = plan.zero_stage >= 2 or (
-        plan.zero_stage == 0 and dims.dp_enabled and (dims.tp_enabled or dims.pp_enabled)
+        not periodic and plan.zero_stage == 0 and dims.dp_enabled and (dims.tp_enabled or dims.pp_enabled)
     )
-    use_ddp = not use_fsdp and dims.dp_enabled
+    use_ddp = not use_fsdp and dims.dp_enabled and not periodic
     nbytes = sum(p.numel() for p in model.parameters()) * 4
     if init_on_meta is None:
         init_on_meta = use_fsdp and nbytes > meta_init_bytes()
@@ -283,7 +285,8 @@ def parallelize_model(
     dp_kind = None
     autocast = dtype if dtype != torch.float32 else None
     if use_fsdp:
-        mesh = dims.mesh["dp_replicate", "dp_shard"] if (dims.dp_replicate > 1) else dims.mesh["dp_shard"]
+        hsdp = dims.dp_replicate > 1 and not periodic  # periodic modes: FSDP inside each replica only
+        mesh = dims.mesh["dp_replicate", "dp_shard"] if hsdp else dims.mesh["dp_shard"]
         model = apply_fsdp(
             model,
             mesh,

@@ -61,6 +61,7 @@ class _Local:
     grad_norm: torch.Tensor | float
     lr: float
     rec: StepRecord | None
+    extra: dict[str, Any]
 
 
 class Reporter:
@@ -109,8 +110,19 @@ class Reporter:
         every = self.spec.metrics.breakdown_every_steps
         return bool(every) and step % every == 0
 
-    def add(self, step: int, end: Any, *, loss: Any, grad_norm: Any, lr: float, rec: StepRecord | None) -> None:
-        self.pending.append(_Local(step, end, time.time(), loss, grad_norm, lr, rec))
+    def add(
+        self,
+        step: int,
+        end: Any,
+        *,
+        loss: Any,
+        grad_norm: Any,
+        lr: float,
+        rec: StepRecord | None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        """``extra``: rank 0's own row keys of the step (cross-group bytes, replica divergence, staleness)."""
+        self.pending.append(_Local(step, end, time.time(), loss, grad_norm, lr, rec, dict(extra or {})))
 
     def due(self, step: int, *, force: bool = False) -> bool:
         return force or step >= self.next_report or step >= self.last_step
@@ -193,6 +205,7 @@ class Reporter:
                 "lr": it.lr,
                 "time": it.unix,
             }
+            row.update(it.extra)
             if has_reserved:
                 row["peak_memory_reserved_bytes_per_rank"] = [int(v) for v in reserved]
             bd = steps[:, i, 2:]

@@ -61,11 +61,13 @@ from api.spec.run import (
     MetricsSpec,
     ModelSpec,
     OptimizerSpec,
+    OuterOptimizerSpec,
     PPSchedule,
     ProfileSpec,
     ResourcesSpec,
     ResumeRequest,
     RunSpec,
+    SyncMode,
     TrainSpec,
 )
 from api.spec.sweep import (
@@ -120,6 +122,8 @@ __all__ = [
     "NAME_RE",
     "NodePublic",
     "OptimizerSpec",
+    "OuterOptimizerSpec",
+    "SyncMode",
     "PPSchedule",
     "Plan",
     "PlanCalibration",

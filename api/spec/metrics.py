@@ -158,6 +158,34 @@ class MetricRow(_Public):
         description="When the step ended (the workers send unix seconds; the API answers UTC).",
         json_schema_extra={"unit": "timestamp"},
     )
+    cross_group_bytes: int | None = _field(
+        "Bytes rank 0 sent over the link between data-parallel groups in this step (payload: DDP gradient "
+        "buckets, a local SGD / DiLoCo averaging, parameter-server pushes and pulls; 0 on local steps).",
+        unit="bytes",
+        column=False,
+    )
+    replica_divergence: float | None = _field(
+        "local_sgd / diloco, on averaging steps: ||replica - mean of replicas|| / ||mean|| before the sync, over "
+        "all replicas (a growing value means H is too large or the learning rate too high).",
+        unit="ratio",
+        column=False,
+    )
+    staleness_mean: float | None = _field(
+        "async_ps: mean over the workers' gradients applied in this update of their staleness (parameter "
+        "updates between the pull they were computed on and this update).",
+        unit="updates",
+        column=False,
+    )
+    staleness_max: int | None = _field(
+        "async_ps: the largest staleness among the gradients of this update (never above layout.max_staleness).",
+        unit="updates",
+        column=False,
+    )
+    workers_in_update: int | None = _field(
+        "async_ps: workers whose gradients this update averaged (fewer than dp while a lost worker rejoins).",
+        unit="workers",
+        column=False,
+    )
     peak_memory_bytes_per_rank: list[int] | None = _field(
         "peak_memory_bytes per rank (index = rank).", unit="bytes", column=False
     )

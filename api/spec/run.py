@@ -102,6 +102,17 @@ class CodeSpec(_Spec):
 
 
 PPSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv"]
+SyncMode = Literal["sync", "async_ps", "local_sgd", "diloco"]
+
+
+class OuterOptimizerSpec(_Spec):
+    """DiLoCo's outer optimizer: applied every ``sync_every_steps`` to the mean of the replicas' deltas (the
+    outer gradient, start-of-round parameters minus the replica's parameters). ``sgd`` with lr 1 and momentum 0
+    is plain parameter averaging (local SGD)."""
+
+    name: Literal["sgd", "nesterov"] = Field("nesterov", description="sgd (heavy-ball momentum) or nesterov.")
+    lr: float = Field(0.7, gt=0, le=10.0, description="Outer learning rate (DiLoCo: 0.7).")
+    momentum: float = Field(0.9, ge=0, lt=1, description="Outer momentum (DiLoCo: 0.9).")
 
 
 class Layout(_Spec):
@@ -121,6 +132,26 @@ class Layout(_Spec):
         "none", description="DDP gradient compression hook (zero_stage 0 only)."
     )
     cpu_offload: bool = Field(False, description="Offload parameters/optimizer to CPU (zero_stage 3 only).")
+    sync: SyncMode = Field(
+        "sync",
+        description="How data-parallel replicas agree: sync (all-reduce every step), async_ps (parameter "
+        "servers as Ray actors, bounded staleness), local_sgd / diloco (replicas step locally and average "
+        "every sync_every_steps).",
+    )
+    ps_shards: int = Field(1, ge=1, le=64, description="async_ps: parameter servers the parameters are sharded over.")
+    max_staleness: int = Field(
+        4,
+        ge=0,
+        le=1000,
+        description="async_ps: a worker computes step t's gradient on parameters at most this many updates old "
+        "(it waits otherwise); 0 = synchronous.",
+    )
+    sync_every_steps: int = Field(
+        8, ge=1, le=100_000, description="local_sgd / diloco: inner steps H between two averagings."
+    )
+    outer_optimizer: OuterOptimizerSpec = Field(
+        default_factory=OuterOptimizerSpec, description="diloco: the outer optimizer (local_sgd averages)."
+    )
 
     @property
     def world_size(self) -> int:
@@ -133,7 +164,12 @@ class BatchSpec(_Spec):
 
 
 class OptimizerSpec(_Spec):
-    name: Literal["adamw"] = "adamw"
+    name: Literal["adamw", "sgd"] = Field(
+        "adamw",
+        description="adamw, or sgd (with momentum; the inner "
+        "optimizer that makes diloco at H=1 equal to synchronous training).",
+    )
+    momentum: float = Field(0.0, ge=0, lt=1, description="sgd only: heavy-ball momentum.")
     lr: float = Field(3.0e-4, gt=0, le=10.0)
     weight_decay: float = Field(0.1, ge=0, le=10.0)
     betas: tuple[float, float] = (0.9, 0.95)

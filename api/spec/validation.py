@@ -237,6 +237,7 @@ def check_spec(spec: RunSpec) -> SpecCheck:
             "zero_stage 1 (ZeroRedundancyOptimizer) works with plain data "
             "parallel only; use zero_stage 2 or 3 with tp/pp",
         )
+    _check_sync(spec, chk)
     if lay.sequence_parallel and lay.tp == 1:
         chk.error("layout.sequence_parallel", "sequence_parallel needs tp > 1; set tp >= 2 or turn it off")
     elif lay.sequence_parallel and cfg.seq_len % lay.tp:
@@ -312,6 +313,75 @@ def check_spec(spec: RunSpec) -> SpecCheck:
             f"every_steps={spec.checkpoint.every_steps} > steps={spec.train.steps}: no checkpoint will be written",
         )
     return chk
+
+
+def _check_sync(spec: RunSpec, chk: SpecCheck) -> None:
+    """The asynchronous and periodic-averaging modes (``layout.sync``): what composes with what."""
+    lay = spec.layout
+    mode = lay.sync
+    if mode == "sync":
+        return
+    if lay.dp < 2:
+        chk.error("layout.dp", f"layout.sync {mode} needs data-parallel replicas; set dp >= 2 or sync: sync")
+    if mode == "async_ps":
+        for name, bad, why in (
+            ("layout.pp", lay.pp > 1, "pipeline stages would each need their own servers; use pp 1"),
+            ("layout.tp", lay.tp > 1, "workers push whole (unsharded) gradients; use tp 1"),
+            ("layout.zero_stage", lay.zero_stage != 0, "the servers hold the optimizer state; use zero_stage 0"),
+            ("layout.grad_compression", lay.grad_compression != "none", "use grad_compression none"),
+        ):
+            if bad:
+                chk.error(
+                    name, f"layout.sync async_ps does not support this: {why} (or sync: sync)", "unsupported_layout"
+                )
+        if spec.precision != "fp32":
+            chk.error(
+                "precision",
+                "layout.sync async_ps trains in fp32 (the servers keep fp32 parameters); use precision fp32",
+                "unsupported_layout",
+            )
+        if lay.ps_shards > 1 and spec.optimizer.grad_clip is not None:
+            chk.error(
+                "optimizer.grad_clip",
+                f"async_ps with ps_shards={lay.ps_shards} cannot clip by the global gradient norm (each server "
+                "sees its own shard); set optimizer.grad_clip null or ps_shards 1",
+                "unsupported_layout",
+            )
+        return
+    # local_sgd / diloco: each replica is a group (tp, optionally FSDP over shard_group_size inside it)
+    if lay.pp > 1:
+        chk.error(
+            "layout.pp",
+            f"layout.sync {mode} averages whole replicas; pipeline parallel is not "
+            "supported with it, use pp 1 (tp inside each replica works)",
+            "unsupported_layout",
+        )
+    if lay.zero_stage == 1:
+        chk.error(
+            "layout.zero_stage",
+            f"layout.sync {mode} keeps the inner optimizer per replica; zero_stage 1 "
+            "shards it across replicas, use zero_stage 0 (or 2/3 with shard_group_size)",
+            "unsupported_layout",
+        )
+    if lay.zero_stage >= 2 and (lay.shard_group_size is None or lay.shard_group_size == lay.dp):
+        chk.error(
+            "layout.shard_group_size",
+            f"layout.sync {mode} with FSDP shards inside each replica group: set shard_group_size < dp "
+            "(dp / shard_group_size replicas average every sync_every_steps), or zero_stage 0",
+            "unsupported_layout",
+        )
+    if lay.grad_compression != "none":
+        chk.error(
+            "layout.grad_compression",
+            f"layout.sync {mode} sends no per-step gradients; use grad_compression none",
+            "unsupported_layout",
+        )
+    if lay.sync_every_steps > spec.train.steps:
+        chk.warn(
+            "layout.sync_every_steps",
+            f"sync_every_steps={lay.sync_every_steps} > steps={spec.train.steps}: "
+            "the replicas average only once, at the end",
+        )
 
 
 def build_plan(spec: RunSpec, *, device: str = "auto") -> Plan:
