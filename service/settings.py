@@ -21,6 +21,11 @@ class Settings(BaseSettings):
 
     data_dir: Path = Field(Path.home() / ".meshrun", description="SQLite file, checkpoints, Ray temp files.")
     database_url: str = Field("", description="SQLAlchemy URL; default (empty) sqlite:///<data_dir>/meshrun.db")
+    database_url_file: Path | None = Field(
+        None,
+        description="A file holding the SQLAlchemy URL, read when MESHRUN_DATABASE_URL is unset: what the service "
+        "hands its Ray Job drivers (a 0600 file under <data_dir>/secrets), so no job's runtime_env carries it.",
+    )
     ray_address: str | None = Field(
         None,
         description="Existing Ray cluster (e.g. ray://head:10001 or head:6380); unset = start and own a local head.",
@@ -32,6 +37,11 @@ class Settings(BaseSettings):
     ray_dashboard_port: int = Field(8265, ge=1, le=65535)
     ray_num_cpus: int | None = Field(None, ge=1, description="CPUs of the local head (default: all).")
     ray_metrics_export_port: int = Field(8090, ge=1, le=65535)
+    ray_multi_node: bool = Field(
+        False,
+        description="Let other machines join the embedded head: its GCS and node services listen on this machine's "
+        "address instead of loopback (127.0.0.1) only.",
+    )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     public_url: str | None = Field(None, description="URL the Ray Job drivers use to reach this service.")
@@ -98,6 +108,11 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _defaults(self) -> Settings:
+        if not self.database_url and self.database_url_file is not None:
+            try:
+                self.database_url = self._check_url(self.database_url_file.read_text())
+            except OSError as e:
+                raise ValueError(f"MESHRUN_DATABASE_URL_FILE {self.database_url_file} cannot be read: {e}") from e
         if not self.database_url:
             self.database_url = f"sqlite:///{self.data_dir / 'meshrun.db'}"
         if self.checkpoint_root is None:

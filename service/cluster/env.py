@@ -1,12 +1,13 @@
 """The environment of every Ray Job meshrun submits (run drivers and sweep drivers): one place decides it.
 
-``job_runtime_env`` returns the Ray ``runtime_env``: the settings a driver needs, the GCS address of meshrun's
-own cluster (never "auto", which can pick another cluster on a shared host; also as ``RAY_ADDRESS``, which every
-Ray call in the job's processes falls back to), ``PYTHONPATH`` with meshrun's packages, the pass-through
-debugging variables, meshrun's code when the cluster does not have it installed (``MESHRUN_RAY_WORKING_DIR``),
-and the user's code directory (``spec.code.working_dir``) when the run names one: as the job's ``working_dir``,
-or as ``py_modules`` (one per top-level package) when meshrun itself is shipped as the working dir. Every Ray
-Train worker inherits the job's runtime env.
+``job_runtime_env`` returns the Ray ``runtime_env``: the settings a driver needs (never the database URL: drivers
+get the path of a 0600 credential file holding it, ``credential_file``, so no job's details show a password), the
+GCS address of meshrun's own cluster (never "auto", which can pick another cluster on a shared host; also as
+``RAY_ADDRESS``, which every Ray call in the job's processes falls back to), ``PYTHONPATH`` with meshrun's
+packages, the pass-through debugging variables, meshrun's code when the cluster does not have it installed
+(``MESHRUN_RAY_WORKING_DIR``), and the user's code directory (``spec.code.working_dir``) when the run names one:
+as the job's ``working_dir``, or as ``py_modules`` (one per top-level package) when meshrun itself is shipped as
+the working dir. Every Ray Train worker inherits the job's runtime env.
 """
 
 from __future__ import annotations
@@ -65,6 +66,30 @@ def code_runtime_env(renv: dict[str, Any], code_dir: Path) -> dict[str, Any]:
     return renv
 
 
+SECRET_ENV = ("MESHRUN_DATABASE_URL", "MESHRUN_METRICS_TOKEN")
+
+
+def credential_file(settings: Settings) -> Path:
+    """``<data_dir>/secrets/database_url`` (directory 0700, file 0600, written atomically when it differs): the one
+    place a Ray Job driver reads the database URL from (``MESHRUN_DATABASE_URL_FILE``)."""
+    folder = Path(settings.data_dir) / "secrets"
+    folder.mkdir(parents=True, exist_ok=True)
+    folder.chmod(0o700)
+    path = folder / "database_url"
+    url = str(settings.database_url)
+    try:
+        if path.read_text() == url and (path.stat().st_mode & 0o077) == 0:
+            return path
+    except OSError:
+        pass
+    tmp = folder / f".database_url.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(url)
+    os.replace(tmp, path)
+    return path
+
+
 def job_runtime_env(
     settings: Settings,
     *,
@@ -76,7 +101,7 @@ def job_runtime_env(
 ) -> dict[str, Any]:
     """The ``runtime_env`` of a meshrun Ray Job (see the module docstring)."""
     env: dict[str, str] = {
-        "MESHRUN_DATABASE_URL": str(settings.database_url),
+        "MESHRUN_DATABASE_URL_FILE": str(credential_file(settings)),
         "MESHRUN_DATA_DIR": str(settings.data_dir),
         "MESHRUN_CHECKPOINT_ROOT": str(settings.checkpoint_root),
         "MESHRUN_LOG_LEVEL": settings.log_level,
@@ -94,6 +119,8 @@ def job_runtime_env(
         env["MESHRUN_DASHBOARD_URL"] = dashboard_url
     env.update({k: os.environ[k] for k in PASS_THROUGH_ENV if os.environ.get(k)})
     env.update(extra_env or {})
+    for k in SECRET_ENV:
+        env.pop(k, None)
     renv: dict[str, Any] = {"env_vars": env}
     wd = os.environ.get("MESHRUN_RAY_WORKING_DIR")
     if wd:  # a remote cluster without meshrun installed: ship meshrun's code

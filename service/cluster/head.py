@@ -11,8 +11,14 @@ Token auth (Ray 2.60 turns it on for new clusters when a token exists): an owned
 variables so ``JobSubmissionClient`` and the GCS client authenticate. For an existing cluster the caller's
 ``RAY_AUTH_*`` variables (or ``~/.ray/auth_token``) apply.
 
-Cluster state (nodes, total/free resources per node) is read through a GCS client without ``ray.init()``: the
-service process does not become a Ray driver.
+One owner per head (``service.cluster.ownership``): the service holds a lock on its data directory's head and
+records the head it started (pid, process group, ports, session) in ``<data_dir>/ray/head.json``. On start it adopts
+a recorded head that still answers, or stops what is left of it, and starts a new one on the configured ports;
+a configured port that another process holds is an error naming the setting. The embedded head listens on loopback
+unless ``MESHRUN_RAY_MULTI_NODE`` is on.
+
+Cluster state (nodes, total/free resources per node) is read by a child process (``service.cluster.gcs_view``):
+Ray's GCS client, which aborts its process when the GCS is gone for a minute, never runs in the service process.
 """
 
 from __future__ import annotations
@@ -20,7 +26,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -30,13 +35,13 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from service.cluster import ownership
+from service.cluster.gcs_view import GcsView, gcs_port_answers
+from service.cluster.ownership import HeadLock, HeadOwnershipError, HeadRecord, kill_process_group
 from service.meta import PROJECT_ROOT
 from service.settings import Settings
-
-if TYPE_CHECKING:
-    from ray._private.state import GlobalState
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +161,7 @@ class RayCluster:
         data_dir: Path | str | None = None,
         auth: bool = True,
         node_labels: dict[str, str] | None = None,
+        multi_node: bool = False,
     ):
         self._requested_address = address
         self._dashboard_url = dashboard_url
@@ -167,11 +173,16 @@ class RayCluster:
         self.data_dir = Path(data_dir) if data_dir else Path.home() / ".meshrun"
         self.auth = auth
         self.node_labels = node_labels or {}
+        self.multi_node = multi_node
         self.address: str | None = address
         self.proc: subprocess.Popen | None = None
+        self.record: HeadRecord | None = None  # the owned head (started or adopted)
+        self.adopted = False
+        self.lost_head: HeadRecord | None = None  # a recorded head found dead at start (its runs were lost)
         self.token_path: Path | None = None
-        self._gcs_state: GlobalState | None = None
+        self._gcs: GcsView | None = None
         self._lock = threading.Lock()
+        self._head_lock: HeadLock | None = None
         self._log_file: Any = None
         self.temp_dir: Path | None = None
 
@@ -185,12 +196,17 @@ class RayCluster:
             metrics_export_port=settings.ray_metrics_export_port,
             num_cpus=settings.ray_num_cpus,
             data_dir=settings.data_dir,
+            multi_node=settings.ray_multi_node,
         )
 
     # --------------------------------------------------------------------------------------- lifecycle
     @property
     def owned(self) -> bool:
-        return self.proc is not None
+        return self.record is not None
+
+    @property
+    def ray_dir(self) -> Path:
+        return self.data_dir / "ray"
 
     @property
     def dashboard_url(self) -> str | None:
@@ -214,45 +230,108 @@ class RayCluster:
                 )
             logger.info("using existing Ray cluster at %s (dashboard %s)", self.address, self.dashboard_url)
             return self
+        self.ray_dir.mkdir(parents=True, exist_ok=True)
+        self._head_lock = self._head_lock or HeadLock(self.ray_dir)
+        self._head_lock.acquire()
+        try:
+            self._setup_auth()
+            if self._adopt_or_clear():
+                return self
+            self._start_with_retry()
+        except BaseException:
+            self._head_lock.release()
+            raise
+        return self
+
+    def restart(self) -> None:
+        """Start the owned head again after it died (same configured ports); its old processes are stopped."""
+        if self.record is None and self.proc is None:
+            raise RuntimeError("restart() needs an owned head")
+        self._close_gcs()
+        if self.record is not None:
+            ownership.stop_recorded(self.record, timeout_s=5.0)
+        if self.proc is not None:
+            kill_process_group(self.proc, timeout_s=5.0)
+            self.proc = None
+        ownership.clear_record(self.ray_dir)
+        self.record = None
+        self.adopted = False
+        self._start_with_retry()
+
+    def _start_with_retry(self) -> None:
         for attempt in (1, 2):
             try:
                 self._start_head()
                 break
-            except (RuntimeError, TimeoutError):
-                if attempt == 2:
+            except (RuntimeError, TimeoutError) as e:
+                if attempt == 2 or isinstance(e, HeadOwnershipError):
                     raise
                 logger.warning("the Ray head failed to start (an overloaded machine?); trying once more", exc_info=True)
-        return self
 
-    def _start_head(self) -> None:
-        ray_dir = self.data_dir / "ray"
-        ray_dir.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ)
+    def _adopt_or_clear(self) -> bool:
+        """Adopt the head recorded by an earlier run of this service when it still answers (True); otherwise stop
+        what is left of it and forget it (``lost_head`` names it when it had died)."""
+        rec = ownership.load_record(self.ray_dir)
+        if rec is None:
+            return False
+        alive = ownership.pid_alive(rec.pid) and ownership.is_ray_head(rec.pid)
+        if alive:
+            self.address, self.gcs_port, self.dashboard_port = rec.address, rec.gcs_port, rec.dashboard_port
+            self.temp_dir = Path(rec.temp_dir)
+            self.record, self.adopted = rec, True
+            try:
+                self.wait_ready(timeout_s=30.0)
+            except (RuntimeError, TimeoutError) as e:
+                logger.warning("the recorded Ray head (pid %s) does not answer (%s); stopping it", rec.pid, e)
+                self.record, self.adopted = None, False
+            else:
+                logger.info(
+                    "adopted the Ray head this service started before: pid %s, GCS %s, dashboard %s",
+                    rec.pid,
+                    rec.address,
+                    self.dashboard_url,
+                )
+                return True
+        else:
+            self.lost_head = rec
+            logger.warning("the Ray head this service started before (pid %s, GCS %s) is gone", rec.pid, rec.address)
+        ownership.stop_recorded(rec)
+        ownership.clear_record(self.ray_dir)
+        return False
+
+    def _setup_auth(self) -> None:
         if self.auth:
-            self.token_path = ray_dir / "auth_token"
+            self.token_path = self.ray_dir / "auth_token"
             if not self.token_path.exists():
                 self.token_path.write_text(secrets.token_hex(32))
                 self.token_path.chmod(0o600)
-            _set_auth_env(env, token_path=self.token_path)
             _set_auth_env(os.environ, token_path=self.token_path)
-            _refresh_ray_config()
         else:
-            env["RAY_AUTH_MODE"] = "disabled"
             os.environ["RAY_AUTH_MODE"] = "disabled"
-            _refresh_ray_config()
+        _refresh_ray_config()
+
+    def _start_head(self) -> None:
+        ray_dir = self.ray_dir
+        env = dict(os.environ)
+        for k in ("MESHRUN_DATABASE_URL", "MESHRUN_METRICS_TOKEN"):  # Ray processes inherit the head's env
+            env.pop(k, None)
         env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         # Project root on the path of every Ray process started by this head (drivers and Train workers).
         root = str(PROJECT_ROOT)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self.gcs_port = free_port(self.gcs_port)
-        self.dashboard_port = free_port(self.dashboard_port)
-        metrics_port = free_port(self.metrics_export_port)
+        ownership.check_port(self.gcs_port, setting="MESHRUN_RAY_GCS_PORT")
+        ownership.check_port(self.dashboard_port, setting="MESHRUN_RAY_DASHBOARD_PORT")
+        if self.metrics_export_port is not None:
+            ownership.check_port(self.metrics_export_port, setting="MESHRUN_RAY_METRICS_EXPORT_PORT")
+        metrics_port = self.metrics_export_port or free_port(None)
+        ip = node_ip_address() if self.multi_node else "127.0.0.1"
         cmd = [
             *ray_cli(),
             "start",
             "--head",
             "--block",
             "--disable-usage-stats",
+            f"--node-ip-address={ip}",
             f"--port={self.gcs_port}",
             "--include-dashboard=true",
             "--dashboard-host=127.0.0.1",
@@ -289,12 +368,27 @@ class RayCluster:
             start_new_session=True,
             cwd=str(ray_dir),
         )
-        self.address = f"{node_ip_address()}:{self.gcs_port}"
+        self.address = f"{ip}:{self.gcs_port}"
+        self.record = HeadRecord(
+            pid=self.proc.pid,
+            pgid=self.proc.pid,
+            gcs_port=self.gcs_port,
+            dashboard_port=self.dashboard_port,
+            metrics_port=metrics_port,
+            address=self.address,
+            temp_dir=str(self.temp_dir),
+            session_dir=None,
+            started_at=time.time(),
+            service_pid=os.getpid(),
+        )
+        ownership.save_record(ray_dir, self.record)  # before it is ready: a crash meanwhile still finds it
         try:
             self.wait_ready(timeout_s=START_TIMEOUT_S)
         except BaseException:
-            self.stop()
+            self._stop_head()
             raise
+        self.record.session_dir = ownership.session_dir_of(self.temp_dir)
+        ownership.save_record(ray_dir, self.record)
         logger.info("Ray head ready at %s, dashboard %s (pgid %s)", self.address, self.dashboard_url, self.proc.pid)
 
     def wait_ready(self, *, timeout_s: float = START_TIMEOUT_S) -> None:
@@ -306,6 +400,8 @@ class RayCluster:
                 raise RuntimeError(
                     f"ray start exited with {self.proc.returncode}; see {self.data_dir / 'ray'} for its log"
                 )
+            if self.adopted and self.record is not None and not ownership.pid_alive(self.record.pid):
+                raise RuntimeError(f"the Ray head (pid {self.record.pid}) exited")
             try:
                 req = urllib.request.Request(f"{self.dashboard_url}/api/jobs/", headers=auth_headers())
                 with urllib.request.urlopen(req, timeout=3) as r:
@@ -318,16 +414,32 @@ class RayCluster:
         raise TimeoutError(f"Ray head at {self.address} not ready after {timeout_s:.0f}s: {last}")
 
     def stop(self, *, timeout_s: float = 15.0) -> None:
-        """Stop the owned head: SIGTERM its process group, SIGKILL what is left. No-op when not owned."""
+        """Stop the owned head (started or adopted): SIGTERM its leader, SIGKILL what is left of its process group
+        and session; forget its record and release the data directory. No-op for an existing cluster."""
+        self._close_gcs()
+        self._stop_head(timeout_s=timeout_s)
+        if self._head_lock is not None:
+            self._head_lock.release()
+
+    def _stop_head(self, *, timeout_s: float = 15.0) -> None:
         proc, self.proc = self.proc, None
-        self._gcs_state = None
-        if proc is None:
-            return
-        kill_process_group(proc, timeout_s=timeout_s)
+        rec, self.record = self.record, None
+        self.adopted = False
+        if proc is not None:
+            kill_process_group(proc, timeout_s=timeout_s)
+        if rec is not None:
+            ownership.stop_recorded(rec, timeout_s=timeout_s)
+            ownership.clear_record(self.ray_dir)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
-        logger.info("Ray head %s stopped", self.address)
+        if proc is not None or rec is not None:
+            logger.info("Ray head %s stopped", self.address)
+
+    def _close_gcs(self) -> None:
+        gcs, self._gcs = self._gcs, None
+        if gcs is not None:
+            gcs.close()
 
     # ------------------------------------------------------------------------------------------ health
     def probe(self, *, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
@@ -336,13 +448,13 @@ class RayCluster:
         (plain sockets and HTTP, no GCS client: a dead head makes it fail fast, never hang)."""
         if self.proc is not None and self.proc.poll() is not None:
             return f"the Ray head this service started (pid {self.proc.pid}) exited with code {self.proc.returncode}"
+        if self.proc is None and self.record is not None and not ownership.pid_alive(self.record.pid):
+            return f"the Ray head this service started (pid {self.record.pid}) exited"
         if not self.address:
             return "not connected to a Ray cluster"
-        host, _, port = self.address.split("://", 1)[-1].rpartition(":")
-        try:
-            socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s).close()
-        except (OSError, ValueError) as e:
-            return f"the Ray GCS at {self.address} does not answer: {e}"
+        why = gcs_port_answers(self.address, timeout_s=timeout_s)
+        if why is not None:
+            return why
         if self.dashboard_url:
             try:
                 req = urllib.request.Request(f"{self.dashboard_url}/api/version", headers=auth_headers())
@@ -353,42 +465,34 @@ class RayCluster:
         return None
 
     # ----------------------------------------------------------------------------------------- clients
-    def _state(self) -> GlobalState:
-        with self._lock:
-            if self._gcs_state is None:
-                from ray._private.state import GlobalState
-                from ray._raylet import GcsClientOptions  # type: ignore[attr-defined]  # a Cython class
-
-                gs = GlobalState()
-                gs._initialize_global_state(
-                    GcsClientOptions.create(
-                        self.address, None, allow_cluster_id_nil=True, fetch_cluster_id_if_nil=False
-                    )
-                )
-                self._gcs_state = gs
-            return self._gcs_state
+    def head_dead(self) -> bool:
+        """True when this service owns the head and its leader process is gone (restart it)."""
+        if self.proc is not None:
+            return self.proc.poll() is not None
+        return self.record is not None and not ownership.pid_alive(self.record.pid)
 
     def nodes(self) -> list[NodeView]:
-        """Every node the GCS knows, with total and free resources (free only for alive nodes)."""
-        st = self._state()
-        try:
-            table = st.node_table()
-            free = st.available_resources_per_node()
-        except Exception:
-            self._gcs_state = None
-            raise
+        """Every node the GCS knows, with total and free resources (free only for alive nodes); read by a child
+        process (``GcsView``), bounded by a timeout. Raises ``ClusterUnavailable`` when the GCS cannot be read."""
+        with self._lock:
+            if self._gcs is None or self._gcs.address != self.address:
+                if self._gcs is not None:
+                    self._gcs.close()
+                if not self.address:
+                    raise ConnectionError("not connected to a Ray cluster")
+                self._gcs = GcsView(self.address)
+            gcs = self._gcs
         out = []
-        for n in table:
-            nid = n.get("NodeID")
-            alive = bool(n.get("Alive", n.get("alive", False)))
-            total = {k: float(v) for k, v in (n.get("Resources") or {}).items()}
+        for n in gcs.nodes():
+            alive = bool(n["Alive"])
+            total = dict(n["Resources"])
             out.append(
                 NodeView(
-                    node_id=nid,
+                    node_id=n["NodeID"],
                     alive=alive,
                     address=n.get("NodeManagerAddress"),
                     total=total,
-                    free={k: float(v) for k, v in free.get(nid, {}).items()} if alive else {},
+                    free=dict(n["Available"]) if alive else {},
                     labels=dict(n.get("Labels") or {}),
                     is_head="node:__internal_head__" in total,
                 )
@@ -402,64 +506,6 @@ class RayCluster:
                 for k, v in n.free.items():
                     tot[k] = tot.get(k, 0.0) + v
         return tot
-
-
-def kill_process_group(proc: subprocess.Popen, *, timeout_s: float = 15.0) -> None:
-    """Stop the process tree led by ``proc`` (started with start_new_session): SIGTERM the leader (``ray start
-    --block`` then stops its children), wait, then SIGKILL what is left of its process group and of its
-    descendants (Ray workers run in process groups of their own)."""
-    try:
-        import psutil
-        import ray  # noqa: F401 - ray vendors psutil (ray/thirdparty_files)
-
-        descendants = psutil.Process(proc.pid).children(recursive=True)
-    except Exception:
-        descendants = []
-    try:
-        pgid = os.getpgid(proc.pid)
-    except ProcessLookupError:
-        pgid = proc.pid
-    try:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        logger.warning("process %s did not stop within %.0fs; killing its group", proc.pid, timeout_s)
-    except ProcessLookupError:
-        pass
-    deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline and (_group_alive(pgid) or any(_running(p) for p in descendants)):
-        time.sleep(0.2)
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    for p in descendants:
-        if _running(p):
-            try:
-                p.kill()
-            except Exception:
-                pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:  # pragma: no cover
-        pass
-
-
-def _running(p) -> bool:
-    try:
-        return p.is_running() and p.status() != "zombie"
-    except Exception:
-        return False
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # pragma: no cover
-        return True
 
 
 def http_get_json(url: str, *, timeout_s: float = 5.0) -> Any:

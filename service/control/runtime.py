@@ -25,6 +25,7 @@ from service.cluster.head import NodeView, RayCluster
 from service.cluster.jobs import JobsBackend, trim
 from service.cluster.placement import NodeCapacity
 from service.cluster.placement import never_fits as _never_fits
+from service.control.recovery import requeue_lost_runs
 from service.control.scheduler import Scheduler
 from service.settings import Settings
 from service.store.db import session_scope
@@ -66,6 +67,9 @@ class Runtime:
     # ------------------------------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         self.ray_cluster.start()
+        lost = self.ray_cluster.lost_head
+        if lost is not None:  # the head a crashed service left behind died too: its runs resume on the new one
+            requeue_lost_runs(self.factory, detail=f"the Ray head (pid {lost.pid}, GCS {lost.address}) died")
         if not self.ray_cluster.dashboard_url:
             raise RuntimeError(
                 f"no dashboard URL for the Ray cluster at {self.ray_cluster.address}; set MESHRUN_RAY_DASHBOARD_URL"
@@ -107,12 +111,35 @@ class Runtime:
         if self.scheduler is None:
             return
         with self._tick_lock:
+            if self.ray_cluster.owned and self.ray_cluster.head_dead():
+                self._restart_head()
             self.scheduler.tick()
             try:
                 sweeps.reconcile_sweeps(self)
                 sweeps.start_queued_sweeps(self)
             except Exception:
                 logger.exception("sweep reconcile/admission failed")
+
+    def _restart_head(self) -> None:
+        """The owned head died: start it again on its ports, then requeue its runs to resume (``recovery``)."""
+        rec = self.ray_cluster.record
+        detail = f"the Ray head (pid {rec.pid if rec else '?'}, GCS {self.ray_cluster.address}) died"
+        logger.error("%s; restarting it", detail)
+        with self._health_lock:
+            self._health = RayHealth(ok=False, reason=f"{detail}; restarting it", checked_at=time.monotonic())
+        try:
+            self.ray_cluster.restart()
+        except Exception:
+            logger.exception("restarting the Ray head failed; trying again at the next tick")
+            return
+        finally:
+            self._nodes_cache = None
+            if self._jobs is not None:
+                self._jobs.reset()
+        if self.scheduler is not None:
+            self.scheduler.pending.clear()
+        requeued = requeue_lost_runs(self.factory, detail=detail)
+        logger.warning("Ray head restarted at %s; %d run(s) requeued", self.ray_cluster.address, len(requeued))
 
     def wake(self) -> None:
         self._wake.set()

@@ -267,8 +267,18 @@ class Scheduler:
                     continue
                 reason = "driver lost: the run has no Ray Job (the service stopped while admitting it)"
             else:
-                state = self.jobs.state(job_id)
-                if state.status not in ("PENDING", "RUNNING"):
+                try:
+                    state = self.jobs.state(job_id)
+                except Exception as e:
+                    # a cluster this service cannot reach now says nothing about the job: judge it later
+                    self.jobs.reset()
+                    if self.last_error != f"unreachable: {e}":
+                        logger.warning("Ray Jobs API unreachable (%s); runs are not reconciled until it answers", e)
+                    self.last_error = f"unreachable: {e}"
+                    return lost
+                if state.status == "MISSING":
+                    reason = f"driver lost: Ray Job {job_id} is gone from the Ray cluster at {self.cluster.address}"
+                elif state.status not in ("PENDING", "RUNNING"):
                     reason = f"driver lost: Ray Job {job_id} is {state.status}"
                     if state.message:
                         reason += f": {state.message}"

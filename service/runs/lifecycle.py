@@ -15,7 +15,10 @@ A driver:
    A terminal state set meanwhile by someone else (a cancel) is never overwritten (``store.transition`` raises
    Conflict); an ``Outcome`` without a status (the run was ended externally) writes only the summary's inputs.
 
-Only the driver writes a running run's attempts, metrics and checkpoints.
+Only the driver writes a running run's attempts, metrics and checkpoints, and only while its attempt is current:
+every write happens in a transaction that first passes ``store.fence`` (the run is STARTING or RUNNING under the
+driver's own Ray Job, ``job_id``). The service revokes a driver by ending the run, requeueing it or resubmitting it
+under another job; a revoked driver writes nothing more and stops (``on_revoked``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,9 +60,18 @@ def dir_size_bytes(path: str) -> int | None:
 class Recorder:
     """Writes what the run's channel collected into the run database."""
 
-    def __init__(self, factory: sessionmaker[Session], run_id: str, *, train_run_name: str | None = None):
+    def __init__(
+        self,
+        factory: sessionmaker[Session],
+        run_id: str,
+        *,
+        train_run_name: str | None = None,
+        job_id: str | None = None,
+    ):
         self.factory = factory
         self.run_id = run_id
+        self.job_id = job_id
+        self.revoked = False
         self.train_run_name = train_run_name
         self.current_attempt: int | None = None
         self.worker_errors: list[str] = []
@@ -72,6 +84,11 @@ class Recorder:
         if not events:
             return
         with self.lock, session_scope(self.factory) as s:
+            if self.revoked or not store.fence(s, run_id=self.run_id, job_id=self.job_id):
+                if not self.revoked:
+                    logger.warning("run %s: this driver's attempt was revoked; it writes nothing more", self.run_id)
+                self.revoked = True
+                return
             for ev in events:
                 kind = ev.get("type")
                 if kind == "attempt":
@@ -114,6 +131,9 @@ class Recorder:
         store.add_event(s, run_id=self.run_id, kind="placement", reason="rank -> node: " + json.dumps(where))
 
     def _metrics(self, s: Session, ev: dict[str, Any]) -> None:
+        if self.current_attempt is not None and ev["attempt"] < self.current_attempt:
+            logger.warning("run %s: dropping metrics of ended attempt %s", self.run_id, ev["attempt"])
+            return
         rows = []
         for r in ev["rows"]:
             r = dict(r)
@@ -200,15 +220,21 @@ class RunLifecycle:
     actor: str
     warmup_steps: int = 0
     train_run_name: str | None = None
+    job_id: str | None = None
+    on_revoked: Callable[[], None] | None = None
     recorder: Recorder = field(init=False)
 
     def __post_init__(self) -> None:
-        self.recorder = Recorder(self.factory, self.run_id, train_run_name=self.train_run_name)
+        self.recorder = Recorder(self.factory, self.run_id, train_run_name=self.train_run_name, job_id=self.job_id)
 
     def transition(self, to: RunStatus, reason: str, **fields: Any) -> bool:
-        """Move the run; False (logged) when its state does not allow it (e.g. cancelled meanwhile)."""
+        """Move the run; False (logged) when its state does not allow it (e.g. cancelled meanwhile) or this
+        driver's attempt was revoked (``store.fence``)."""
         try:
             with session_scope(self.factory) as s:
+                if not store.fence(s, run_id=self.run_id, job_id=self.job_id):
+                    logger.info("not moving run %s to %s: this driver's attempt was revoked", self.run_id, to.value)
+                    return False
                 store.transition(s, run_id=self.run_id, to=to, reason=reason, actor=self.actor, **fields)
             return True
         except store.Conflict as e:
@@ -232,6 +258,9 @@ class RunLifecycle:
         def loop() -> None:
             while not stop.wait(DRAIN_INTERVAL_S):
                 self.recorder.drain(handle)
+                if self.recorder.revoked and self.on_revoked is not None:
+                    self.on_revoked()
+                    return
 
         drainer = threading.Thread(target=loop, daemon=True, name=f"drain-{self.run_id}")
         drainer.start()
@@ -291,7 +320,8 @@ class RunLifecycle:
         """End the current attempt and the run with ``outcome`` (see the module docstring); returns the summary."""
         with session_scope(self.factory) as s:
             summary = self.summary(s, wall_s=wall_s)
-            if outcome.status is not None and self.recorder.current_attempt is not None:
+            current = store.fence(s, run_id=self.run_id, job_id=self.job_id)
+            if outcome.status is not None and self.recorder.current_attempt is not None and current:
                 store.finish_attempt(
                     s,
                     run_id=self.run_id,

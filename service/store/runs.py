@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any, TypeVar, overload
 
-from sqlalchemy import and_, func, or_, select, text
+from sqlalchemy import and_, func, or_, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -26,7 +26,8 @@ S = RunStatus
 ALLOWED: dict[RunStatus, frozenset[RunStatus]] = {
     S.QUEUED: frozenset({S.STARTING, S.CANCELLED, S.FAILED}),
     S.STARTING: frozenset({S.RUNNING, S.SUCCEEDED, S.FAILED, S.CANCELLED, S.QUEUED, S.PREEMPTED}),
-    S.RUNNING: frozenset({S.SUCCEEDED, S.FAILED, S.CANCELLED, S.PREEMPTED}),
+    # RUNNING -> QUEUED: its Ray head was lost and the service requeues it to resume (service.control.recovery)
+    S.RUNNING: frozenset({S.SUCCEEDED, S.FAILED, S.CANCELLED, S.PREEMPTED, S.QUEUED}),
     # preempted (a notice or a higher-priority run): checkpointed, then straight back to the queue
     S.PREEMPTED: frozenset({S.QUEUED, S.FAILED, S.CANCELLED}),
     # terminal states only leave through an explicit resume
@@ -251,6 +252,18 @@ def transition(
     run.updated_at = now
     session.flush()
     return run
+
+
+def fence(session: Session, *, run_id: str, job_id: str | None) -> bool:
+    """A driver's write fence: True when the run is STARTING or RUNNING and (with ``job_id``) its current Ray Job is
+    ``job_id``; then the run's row is locked for this transaction (a conditional UPDATE), so a terminal transition or
+    a resubmission cannot commit between this check and the driver's writes. False: the driver's attempt has been
+    revoked (the run ended, was requeued or runs under another job): it must write nothing and stop."""
+    stmt = update(Run).where(Run.id == run_id, Run.status.in_([S.STARTING.value, S.RUNNING.value]))
+    if job_id:
+        stmt = stmt.where(Run.ray_job_id == job_id)
+    result = session.execute(stmt.values(updated_at=utcnow()).execution_options(synchronize_session=False))
+    return int(getattr(result, "rowcount", 0) or 0) == 1
 
 
 def end_run(

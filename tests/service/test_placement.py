@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from api.spec import RunSpec
@@ -254,7 +256,9 @@ def test_admission_counts_just_admitted_runs_and_keeps_fifo_with_priority(sched)
     assert job["entrypoint"].endswith(f"-m service.runs.driver --run-id {a}")
     assert job["metadata"]["run_id"] == a and job["metadata"]["name"] == "a"
     env = job["runtime_env"]["env_vars"]
-    assert env["MESHRUN_DATABASE_URL"] == sched.settings.database_url and "MESHRUN_PLACEMENT" in env
+    # the driver reads the database URL from a 0600 file; the job's runtime_env never carries it
+    assert "MESHRUN_DATABASE_URL" not in env and "MESHRUN_PLACEMENT" in env
+    assert Path(env["MESHRUN_DATABASE_URL_FILE"]).read_text() == sched.settings.database_url
     # the cluster still reports 6 free CPUs (a's workers are not up yet): a's 4 count as used
     assert _run(sched, b)[:2] == ("QUEUED", "needs 4 worker slots of 1 CPU; 2 free")
     assert _run(sched, c)[0] == "QUEUED" and "waiting behind run" in _run(sched, c)[1]  # no overtaking
@@ -280,7 +284,7 @@ def test_reconcile_fails_runs_whose_job_is_gone(sched):
     sched.tick()
     sched.jobs.states.pop(_run(sched, b)[2])
     sched.tick()
-    assert _run(sched, b)[0] == "FAILED" and "MISSING" in _run(sched, b)[1]
+    assert _run(sched, b)[0] == "FAILED" and "is gone from the Ray cluster" in _run(sched, b)[1]
 
 
 def test_failed_submission_requeues_with_the_reason(sched):

@@ -86,7 +86,9 @@ def test_with_runtime_predicts_submits_one_job_and_reconciles(api, fake_runtime)
     assert job["entrypoint"].endswith(f"-m service.sweeps.driver --sweep-id {sw['id']}")
     assert job["metadata"]["sweep_id"] == sw["id"] and job["metadata"]["meshrun"] == "sweep"
     env = job["runtime_env"]["env_vars"]
-    assert env["MESHRUN_DATABASE_URL"].startswith("sqlite") and "MESHRUN_PLACEMENT" not in env
+    assert "MESHRUN_DATABASE_URL" not in env and "MESHRUN_PLACEMENT" not in env
+    with open(env["MESHRUN_DATABASE_URL_FILE"]) as f:
+        assert f.read().startswith("sqlite")
     runnable = [t for t in sw["trials"] if t["status"] == "PENDING"]
     assert runnable and all(t["predicted_tokens_per_s"] > 0 for t in runnable)
     assert sw["calibration"]["status"] == "pending" and sw["calibration"]["cluster"]["device"] == "cpu"

@@ -1,0 +1,158 @@
+"""One owner per head and per run: the driver's write fence, the recovery of a lost head's runs, the head's lock,
+record and ports, and the credential file that replaces the database URL in a job's environment (no Ray here; the
+end-to-end checks are in tests/chaos/)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+
+import pytest
+from sqlalchemy import select
+
+from api.spec import RunSpec
+from api.spec.validation import build_plan
+from service import store
+from service.cluster import ownership
+from service.cluster.env import credential_file, job_runtime_env
+from service.control.recovery import HEAD_LOST, requeue_lost_runs
+from service.runs.lifecycle import Outcome, RunLifecycle
+from service.settings import Settings
+from service.store import migrate
+from service.store.db import make_engine, make_sessionmaker, session_scope
+from service.store.models import Metric
+
+
+@pytest.fixture
+def factory(tmp_path):
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    migrate.upgrade(url)
+    engine = make_engine(url)
+    yield make_sessionmaker(engine)
+    engine.dispose()
+
+
+def _running_run(factory, job_id: str, *, max_failures: int = 1) -> str:
+    spec = RunSpec.model_validate({"name": "r", "train": {"steps": 10},
+                                   "resources": {"max_failures": max_failures}})
+    with session_scope(factory) as s:
+        run, _ = store.create_run(s, spec=spec.model_dump(mode="json"),
+                                  plan=build_plan(spec).model_dump(mode="json"))
+        store.transition(s, run_id=run.id, to="STARTING", ray_job_id=job_id)
+        store.transition(s, run_id=run.id, to="RUNNING")
+        return run.id
+
+
+def _row(factory, run_id):
+    with session_scope(factory) as s:
+        r = store.get_run(s, run_id=run_id)
+        return r.status, r.status_reason, r.resume_from, store.count_metrics(s, run_id=run_id)
+
+
+def _metrics_event(attempt: int, step: int) -> dict:
+    return {"type": "metrics", "attempt": attempt, "rows": [{"step": step, "loss": 1.0}]}
+
+
+def test_the_fence_holds_only_for_the_current_job_of_an_active_run(factory):
+    rid = _running_run(factory, "meshrun-x-1")
+    with session_scope(factory) as s:
+        assert store.fence(s, run_id=rid, job_id="meshrun-x-1")
+        assert not store.fence(s, run_id=rid, job_id="meshrun-x-2")  # a resubmission's driver is another job
+    with session_scope(factory) as s:
+        store.end_run(s, run_id=rid, to="FAILED", reason="driver lost")
+    with session_scope(factory) as s:
+        assert not store.fence(s, run_id=rid, job_id="meshrun-x-1")
+
+
+def test_a_revoked_driver_writes_nothing_after_the_terminal_transition(factory):
+    rid = _running_run(factory, "meshrun-x-1")
+    revoked = []
+    life = RunLifecycle(factory, rid, actor="driver", job_id="meshrun-x-1", on_revoked=lambda: revoked.append(1))
+    life.recorder.apply([{"type": "attempt", "attempt": 1, "cause": "start", "ranks": []}, _metrics_event(1, 1)])
+    assert _row(factory, rid)[3] == 1
+    with session_scope(factory) as s:  # the service ends the run (reconcile, cancel): the attempt is revoked
+        store.end_run(s, run_id=rid, to="FAILED", reason="driver lost")
+    life.recorder.apply([_metrics_event(1, 2), _metrics_event(1, 3)])
+    assert life.recorder.revoked and _row(factory, rid)[3] == 1
+    # the revoked driver's end changes nothing: no SUCCEEDED over FAILED, no attempt rewritten
+    life.finish(Outcome.succeeded(), wall_s=1.0)
+    assert _row(factory, rid)[:2] == ("FAILED", "driver lost")
+    with session_scope(factory) as s:
+        [att] = store.list_attempts(s, run_id=rid)
+        assert att.status == "FAILED"
+
+
+def test_metrics_of_an_ended_attempt_are_dropped(factory):
+    rid = _running_run(factory, "meshrun-x-1")
+    life = RunLifecycle(factory, rid, actor="driver", job_id="meshrun-x-1")
+    life.recorder.apply([{"type": "attempt", "attempt": 1, "ranks": []}, _metrics_event(1, 1),
+                         {"type": "attempt", "attempt": 2, "ranks": []}, _metrics_event(1, 2), _metrics_event(2, 2)])
+    with session_scope(factory) as s:
+        rows = s.execute(select(Metric.attempt, Metric.step).where(Metric.run_id == rid)).all()
+        assert sorted(tuple(r) for r in rows) == [(1, 1), (2, 2)]  # attempt 1's late step 2 is not stored
+
+
+def test_runs_of_a_lost_head_resume_from_their_checkpoint_within_max_failures(factory):
+    rid = _running_run(factory, "meshrun-x-1", max_failures=1)
+    with session_scope(factory) as s:
+        store.start_attempt(s, run_id=rid, cause="start")
+        store.add_checkpoint(s, run_id=rid, attempt=1, step=5, path="/ck/5")
+    assert requeue_lost_runs(factory, detail="the Ray head (pid 1) died") == [rid]
+    status, reason, resume_from, _ = _row(factory, rid)
+    assert status == "QUEUED" and resume_from == "/ck/5"
+    assert reason.startswith(HEAD_LOST) and "checkpoint of step 5" in reason and "1 of max_failures=1" in reason
+    with session_scope(factory) as s:
+        assert [e.reason for e in store.list_events(s, run_id=rid) if e.kind == "head_lost"] == [
+            f"{HEAD_LOST}: the Ray head (pid 1) died"]
+        assert store.list_attempts(s, run_id=rid)[0].status == "FAILED"
+        # the second loss is past max_failures=1: FAILED with the same reason
+        store.transition(s, run_id=rid, to="STARTING", ray_job_id="meshrun-x-2")
+    assert requeue_lost_runs(factory, detail="again") == []
+    status, reason, _, _ = _row(factory, rid)
+    assert status == "FAILED" and reason.startswith(HEAD_LOST) and "max_failures=1 reached" in reason
+
+
+def test_a_configured_port_in_use_is_an_error_naming_the_setting():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ownership.HeadOwnershipError, match=f"MESHRUN_RAY_GCS_PORT={port} is in use"):
+            ownership.check_port(port, setting="MESHRUN_RAY_GCS_PORT", wait_s=0)
+    ownership.check_port(port, setting="MESHRUN_RAY_GCS_PORT", wait_s=0)  # free again
+    with pytest.raises(ownership.HeadOwnershipError, match="Redis"):
+        ownership.check_port(6379, setting="MESHRUN_RAY_GCS_PORT", wait_s=0)
+
+
+def test_one_service_per_data_directory_and_a_private_head_record(tmp_path):
+    first, second = ownership.HeadLock(tmp_path / "ray"), ownership.HeadLock(tmp_path / "ray")
+    first.acquire()
+    with pytest.raises(ownership.HeadOwnershipError, match=f"pid {os.getpid()}.*own MESHRUN_DATA_DIR"):
+        second.acquire()
+    first.release()
+    second.acquire()
+    second.release()
+    rec = ownership.HeadRecord(pid=1, pgid=1, gcs_port=6400, dashboard_port=8300, metrics_port=None,
+                               address="127.0.0.1:6400", temp_dir="/tmp/x", session_dir=None, started_at=0.0,
+                               service_pid=os.getpid())
+    ownership.save_record(tmp_path, rec)
+    assert ownership.load_record(tmp_path) == rec
+    assert stat.S_IMODE(os.stat(ownership.record_path(tmp_path)).st_mode) == 0o600
+    assert not ownership.is_ray_head(os.getpid())
+    ownership.clear_record(tmp_path)
+    assert ownership.load_record(tmp_path) is None
+
+
+def test_a_jobs_environment_names_a_private_credential_file_never_the_url(tmp_path, monkeypatch):
+    monkeypatch.setenv("MESHRUN_DATABASE_URL", "postgresql://meshrun:s3cret@db/meshrun")
+    settings = Settings(data_dir=tmp_path)
+    renv = job_runtime_env(settings, job_id="meshrun-x-1", gcs_address="127.0.0.1:6400",
+                           extra_env={"MESHRUN_DATABASE_URL": "x"})
+    assert "s3cret" not in repr(renv) and "MESHRUN_DATABASE_URL" not in renv["env_vars"]
+    path = renv["env_vars"]["MESHRUN_DATABASE_URL_FILE"]
+    assert path == str(credential_file(settings))
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and stat.S_IMODE(os.stat(tmp_path / "secrets").st_mode) == 0o700
+    monkeypatch.delenv("MESHRUN_DATABASE_URL")
+    monkeypatch.setenv("MESHRUN_DATABASE_URL_FILE", path)
+    assert Settings(data_dir=tmp_path).database_url == "postgresql+psycopg://meshrun:s3cret@db/meshrun"
