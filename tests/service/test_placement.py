@@ -349,7 +349,7 @@ def test_a_sweep_trials_run_joins_the_same_queue_and_gets_no_ray_job_of_its_own(
     sched.tick()
     assert _run(sched, big)[:2] == ("QUEUED", "needs 8 worker slots of 1 CPU; 6 free")
     assert _run(sched, trial)[0] == "QUEUED" and "waiting behind run" in _run(sched, trial)[1]
-    assert _run(sched, gone)[0] == "FAILED" and "meshrun-sw_b-1 is MISSING" in _run(sched, gone)[1]
+    assert _run(sched, gone)[0] == "FAILED" and "meshrun-sw_b-1 is gone from the Ray cluster" in _run(sched, gone)[1]
     with session_scope(sched.factory) as s:
         store.transition(s, run_id=big, to="CANCELLED", reason="test")
     submitted = len(sched.jobs.submitted)
