@@ -22,6 +22,7 @@ from api.spec import (
     MetricList,
     MetricRow,
     PlanResponse,
+    RunBreakdown,
     RunList,
     RunPublic,
     RunSpec,
@@ -35,6 +36,7 @@ from api.spec.metrics import METRIC_ROW_FIELDS
 
 from ._base import tolerant_validate
 from ._errors import ConflictError, RunFailedError, WaitTimeoutError
+from ._observe import RunDiagnostics
 from ._specs import SpecInput, apply_overrides, parse_layout, to_body
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -110,6 +112,9 @@ class Run(RunPublic):
 
     def events(self) -> list[EventPublic]:
         return self._client.runs.events(self.id)
+
+    def breakdown(self) -> RunBreakdown:
+        return self._client.runs.breakdown(self.id)
 
     def logs(self) -> str:
         return self._client.runs.logs(self.id)
@@ -193,7 +198,7 @@ class _Resource:
 
 
 # ------------------------------------------------------------------------------------------------- runs
-class Runs(_Resource):
+class Runs(RunDiagnostics, _Resource):
     def create(
         self,
         spec: SpecInput,

@@ -24,7 +24,7 @@ from service.app.deps import auth_dependencies
 from service.app.errors import ApiError, error_response, error_responses, install_error_handlers
 from service.app.observability import configure_logging, instrument_app
 from service.app.ratelimit import RateLimiter
-from service.app.routes import cluster, health, plans, runs, sweeps
+from service.app.routes import cluster, health, observe, plans, runs, sweeps
 from service.control.runtime import Runtime
 from service.meta import VERSION
 from service.settings import Settings, get_settings
@@ -34,7 +34,7 @@ from service.store.db import make_engine, make_sessionmaker, redact_url
 log = logging.getLogger(__name__)
 
 
-PROTECTED_ROUTERS: tuple[APIRouter, ...] = (runs.router, plans.router, sweeps.router, cluster.router)
+PROTECTED_ROUTERS: tuple[APIRouter, ...] = (runs.router, observe.router, plans.router, sweeps.router, cluster.router)
 COMMON_ERRORS = (400, 401, 413, 429, 500, 503)
 
 
