@@ -285,6 +285,7 @@ def create_sweep(
     settings: Settings,
     runtime: SweepHost | None = None,
     idempotency_key: str | None = None,
+    admin: bool = False,
 ) -> tuple[Sweep, bool]:
     """Validate and expand a sweep, store it QUEUED with its trials. Returns (sweep, created); created=False for
     an idempotent retry. Raises SpecError (422) when nothing can run, PolicyViolation (403/422) like a run."""
@@ -310,7 +311,7 @@ def create_sweep(
                 )
             ]
         )
-    check_spec_policy(create.base, can_run_code=can_run_code, settings=settings)
+    check_spec_policy(create.base, can_run_code=can_run_code, settings=settings, admin=admin)
     base_chk = check_spec(create.base.model_copy(update={"layout": Layout()}))
     model_issues = [i for i in base_chk.errors if i.param.startswith("model")]
     if model_issues:
