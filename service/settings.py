@@ -63,6 +63,11 @@ class Settings(BaseSettings):
         default_factory=lambda: ["file", "s3", "gs", "gcs", "az", "abfs", "abfss", "hdfs"],
         description="URL schemes allowed in spec paths (fsspec protocols).",
     )
+    allow_faults: bool = Field(
+        False,
+        description="MESHRUN_ALLOW_FAULTS: accept specs with a faults section (chaos testing) from every token; "
+        "otherwise only admin tokens may inject faults.",
+    )
     log_json: bool = False
     log_level: str = "INFO"
     start_scheduler: bool = Field(True, description="Run admission/reconcile loops in the API process.")

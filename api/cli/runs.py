@@ -35,6 +35,7 @@ from api.cli._common import (
     err,
     out,
 )
+from api.cli.observe import print_breakdown
 from api.sdk import (
     MeshrunError,
     NotFoundError,
@@ -207,10 +208,16 @@ def runs(
 def show(
     ctx: typer.Context, run_id: str = typer.Argument(..., metavar="ID"), as_json: bool = typer.Option(False, "--json")
 ) -> None:
-    """Details of one run: status, layout, plan, prediction, summary."""
-    run = _state(ctx).client().runs.get(run_id)
+    """Details of one run: status, layout, plan, prediction, summary, and where the time goes (breakdown)."""
+    client = _state(ctx).client()
+    run = client.runs.get(run_id)
+    try:
+        bd = client.runs.breakdown(run_id)
+    except MeshrunError as e:  # an older service without /breakdown: show the rest
+        bd = None
+        err().print(f"breakdown unavailable: {e}")
     if as_json:
-        emit_json(run)
+        emit_json({**run.model_dump(mode="json"), "breakdown": bd.model_dump(mode="json") if bd else None})
         return
     c = out()
     print_summary(run, c)
@@ -240,6 +247,8 @@ def show(
         except NotFoundError:
             pass  # a service from before goodput
     c.print(t)
+    if bd is not None:
+        print_breakdown(bd, c)
 
 
 def goodput_line(g: Any) -> str:

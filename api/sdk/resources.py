@@ -22,6 +22,7 @@ from api.spec import (
     MetricList,
     MetricRow,
     PlanResponse,
+    RunBreakdown,
     RunGoodput,
     RunList,
     RunPublic,
@@ -36,6 +37,7 @@ from api.spec.metrics import METRIC_ROW_FIELDS
 
 from ._base import tolerant_validate
 from ._errors import ConflictError, RunFailedError, WaitTimeoutError
+from ._observe import RunDiagnostics
 from ._specs import SpecInput, apply_overrides, parse_layout, to_body
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -111,6 +113,9 @@ class Run(RunPublic):
 
     def events(self) -> list[EventPublic]:
         return self._client.runs.events(self.id)
+
+    def breakdown(self) -> RunBreakdown:
+        return self._client.runs.breakdown(self.id)
 
     def logs(self) -> str:
         return self._client.runs.logs(self.id)
@@ -197,7 +202,7 @@ class _Resource:
 
 
 # ------------------------------------------------------------------------------------------------- runs
-class Runs(_Resource):
+class Runs(RunDiagnostics, _Resource):
     def create(
         self,
         spec: SpecInput,

@@ -24,6 +24,16 @@ from api.spec._base import (
 )
 from api.spec.errors import ErrorBody, ErrorDetail
 from api.spec.metrics import BREAKDOWN_PARTS, BREAKDOWN_TERMS, MeasuredStepTime, MetricList, MetricRow
+from api.spec.observe import (
+    BREAKDOWN_ROWS,
+    ArtifactList,
+    ArtifactPublic,
+    BreakdownTerm,
+    ProfileAccepted,
+    ProfileRequest,
+    RankBreakdown,
+    RunBreakdown,
+)
 from api.spec.plan import (
     Candidate,
     ClusterSpec,
@@ -83,6 +93,14 @@ from api.spec.sweep import (
 from api.spec.validation import SpecCheck, SpecError, SpecIssue, build_plan, check_spec, resolve_model
 
 __all__ = [
+    "ArtifactList",
+    "ArtifactPublic",
+    "BREAKDOWN_ROWS",
+    "BreakdownTerm",
+    "ProfileAccepted",
+    "ProfileRequest",
+    "RankBreakdown",
+    "RunBreakdown",
     "BREAKDOWN_PARTS",
     "BREAKDOWN_TERMS",
     "BatchSpec",

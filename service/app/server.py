@@ -24,7 +24,7 @@ from service.app.deps import auth_dependencies
 from service.app.errors import ApiError, SafeJSONResponse, error_response, error_responses, install_error_handlers
 from service.app.observability import configure_logging, instrument_app
 from service.app.ratelimit import RateLimiter
-from service.app.routes import cluster, goodput, health, plans, runs, sweeps
+from service.app.routes import cluster, goodput, health, observe, plans, runs, sweeps
 from service.control.runtime import Runtime
 from service.meta import VERSION
 from service.settings import Settings, get_settings
@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 PROTECTED_ROUTERS: tuple[APIRouter, ...] = (
     runs.router,
     goodput.router,
+    observe.router,
     plans.router,
     sweeps.router,
     cluster.router,

@@ -112,9 +112,10 @@ def submit_run(
     settings: Settings,
     runtime: Runtime | None = None,
     idempotency_key: str | None = None,
+    admin: bool = False,
 ) -> tuple[Run, bool]:
     """Validate, plan and store a QUEUED run. Returns (run, created); created=False for an idempotent retry."""
-    spec = check_spec_policy(spec, can_run_code=can_run_code, settings=settings)
+    spec = check_spec_policy(spec, can_run_code=can_run_code, settings=settings, admin=admin)
     spec_json = spec.model_dump(mode="json")
     if idempotency_key:
         existing = store.find_by_idempotency_key(session, model=Run, project=project, key=idempotency_key)
@@ -198,6 +199,7 @@ def resume_run(
     settings: Settings,
     request: ResumeRequest,
     runtime: Runtime | None,
+    admin: bool = False,
 ) -> Run:
     """Re-queue a FAILED/CANCELLED run from its latest checkpoint, optionally with a new layout/batch/steps."""
     run = store.get_run(session, run_id=run_id, project=scope, lock=True)
@@ -215,7 +217,7 @@ def resume_run(
     if request.steps is not None:
         update["train"] = spec.train.model_copy(update={"steps": request.steps})
     new_spec = RunSpec.model_validate(spec.model_copy(update=update).model_dump())
-    check_spec_policy(new_spec, can_run_code=can_run_code, settings=settings)
+    check_spec_policy(new_spec, can_run_code=can_run_code, settings=settings, admin=admin)
     check_fits(session, new_spec, build_plan(new_spec), runtime)  # 422 before anything changes
     if runtime is None:
         raise RuntimeUnavailable(

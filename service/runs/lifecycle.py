@@ -41,6 +41,7 @@ from api.spec import RunStatus
 from api.spec.metrics import PEAK_MEMORY_PER_RANK
 from service import store
 from service.cluster.jobs import format_worker_exceptions, open_channel, trim
+from service.runs.watch import HangWatch, StragglerWatch
 from service.store.db import session_scope
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,10 @@ class Recorder:
         self.summary: dict[str, Any] | None = None
         self.rank_nodes: dict[str, str] | None = None
         self.peak_per_rank: dict[str, int] = {}
+        self.rank_hosts: dict[str, str] = {}
+        self.stragglers = StragglerWatch()
+        self.hangs = HangWatch()
+        self.hang_reasons: dict[int, str] = {}  # attempt -> why the driver failed it
         self.lock = threading.Lock()
 
     def apply(self, events: list[dict[str, Any]]) -> None:
@@ -116,7 +121,7 @@ class Recorder:
                 run_id=self.run_id,
                 attempt=self.current_attempt,
                 status=RunStatus.FAILED.value,
-                cause=self.worker_errors[-1] if self.worker_errors else None,
+                cause=self.attempt_cause(),
             )
         att = store.start_attempt(
             s, run_id=self.run_id, cause=ev.get("cause") or "start", train_run_name=self.train_run_name
@@ -126,9 +131,16 @@ class Recorder:
         self.current_attempt = ev["attempt"]
         ranks = sorted(ev.get("ranks") or [], key=lambda r: r["rank"])
         self.rank_nodes = {str(r["rank"]): r["node_id"] for r in ranks}
+        self.rank_hosts = {str(r["rank"]): str(r.get("host") or "") for r in ranks}
+        self.stragglers.reset()
         store.get_run(s, run_id=self.run_id).rank_nodes = self.rank_nodes
         where = {str(r["rank"]): f"{r['node_id'][:12]} pid {r['pid']}" for r in ranks}
         store.add_event(s, run_id=self.run_id, kind="placement", reason="rank -> node: " + json.dumps(where))
+
+    def attempt_cause(self) -> str | None:
+        """Why the current attempt failed: the driver's hang diagnosis, else the workers' last error."""
+        hang = self.hang_reasons.get(self.current_attempt or 0)
+        return hang or (self.worker_errors[-1] if self.worker_errors else None)
 
     def _metrics(self, s: Session, ev: dict[str, Any]) -> None:
         if self.current_attempt is not None and ev["attempt"] < self.current_attempt:
@@ -140,7 +152,24 @@ class Recorder:
             for i, v in enumerate(r.pop(PEAK_MEMORY_PER_RANK, None) or ()):
                 self.peak_per_rank[str(i)] = max(self.peak_per_rank.get(str(i), 0), int(v))
             rows.append(r)
+            self._watch(s, r)
         store.add_metrics(s, run_id=self.run_id, attempt=ev["attempt"], rows=rows)
+
+    def _watch(self, s: Session, row: dict[str, Any]) -> None:
+        """Stragglers (per-rank compute of measured steps) and the step times the hang timeout derives from."""
+        self.hangs.step_time(row.get("step_time_s"))
+        compute = (row.get("breakdown_per_rank") or {}).get("compute")
+        if not isinstance(compute, list) or row.get("step") is None:
+            return
+        try:
+            values = [float(c) for c in compute]
+        except (TypeError, ValueError):
+            return
+        for found in self.stragglers.observe(int(row["step"]), values):
+            key = str(found.rank)
+            text = found.describe((self.rank_nodes or {}).get(key), self.rank_hosts.get(key))
+            logger.warning("run %s: %s", self.run_id, text)
+            store.add_event(s, run_id=self.run_id, kind="straggler", reason=text)
 
     def _checkpoint(self, s: Session, ev: dict[str, Any]) -> None:
         if ev.get("step") is None:

@@ -1,9 +1,10 @@
 """What a spec may name: user code (only tokens allowed to run code) and paths or URLs (only under the allowed
 roots and protocols when auth is on).
 
-``check_spec_policy(spec, can_run_code=..., settings=...)`` raises ``PolicyViolation`` (403 for user code without
-permission, 422 for a path or URL that is not allowed). Nothing in a spec is ever eval'd or run in a shell:
-entrypoints are validated as dotted identifiers (``api.spec``) and imported by the workers with importlib.
+``check_spec_policy(spec, can_run_code=..., settings=..., admin=...)`` raises ``PolicyViolation`` (403 for user code
+without permission, or for a ``faults`` section from a non-admin token while ``MESHRUN_ALLOW_FAULTS`` is off; 422
+for a path or URL that is not allowed). Nothing in a spec is ever eval'd or run in a shell: entrypoints are validated
+as dotted identifiers (``api.spec``) and imported by the workers with importlib.
 """
 
 from __future__ import annotations
@@ -28,10 +29,19 @@ def uses_user_code(spec: RunSpec) -> str | None:
     return None
 
 
-def check_spec_policy(spec: RunSpec, *, can_run_code: bool, settings: Settings) -> RunSpec:
-    """Refuse what the caller may not submit (user code without permission; paths out of bounds). Returns the spec
-    to store: for a caller held to the storage roots, its paths replaced by the normalised absolute paths that
-    were checked (so the workers open exactly those)."""
+def check_spec_policy(spec: RunSpec, *, can_run_code: bool, settings: Settings, admin: bool = False) -> RunSpec:
+    """Refuse what the caller may not submit (user code without permission; injected faults without admin rights
+    or ``MESHRUN_ALLOW_FAULTS``; paths out of bounds). Returns the spec to store: for a caller held to the storage
+    roots, its paths replaced by the normalised absolute paths that were checked (so the workers open exactly
+    those)."""
+    if spec.faults is not None and not (admin or settings.allow_faults):
+        raise PolicyViolation(
+            403,
+            "forbidden",
+            "faults: injected faults (chaos testing) need an admin token, or the service setting "
+            "MESHRUN_ALLOW_FAULTS=true; remove the faults section or ask an admin",
+            "faults",
+        )
     code_field = uses_user_code(spec)
     if code_field and not can_run_code:
         raise PolicyViolation(

@@ -272,6 +272,7 @@ def submit_run(
         settings=settings,
         runtime=runtime,
         idempotency_key=idempotency_key,
+        admin=principal.admin,
     )
     if not created:
         response.status_code = 200
@@ -530,5 +531,6 @@ def resume_run(
         settings=settings,
         request=body,
         runtime=runtime,
+        admin=principal.admin,
     )
     return run_public(run, request=req)

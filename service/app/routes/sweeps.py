@@ -111,6 +111,7 @@ def _create(
         settings=settings,
         runtime=runtime,
         idempotency_key=idempotency_key,
+        admin=principal.admin,
     )
     if not created:
         response.status_code = 200
