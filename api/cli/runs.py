@@ -369,7 +369,12 @@ def resume(
     from_file: Optional[Path] = typer.Option(
         None, "--from-file", help="YAML with layout/batch/steps (or a run spec: its layout, batch, train.steps)."
     ),
-    steps: Optional[int] = typer.Option(None, min=1, help="New total step count."),
+    steps: Optional[int] = typer.Option(
+        None, min=1, help="New total step count (the LR schedule continues from the checkpoint, no jump)."
+    ),
+    fresh: bool = typer.Option(
+        False, "--fresh", help="The run has no checkpoint: start it again from step 0 (refused without this)."
+    ),
     wait: bool = typer.Option(False, "--wait", "-w"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
     as_json: bool = typer.Option(False, "--json"),
@@ -384,7 +389,7 @@ def resume(
         steps = steps or data.get("steps") or (data.get("train") or {}).get("steps")
     if layout is not None:
         new_layout = _usage(lambda: parse_layout(layout))
-    run = client.runs.resume(run_id, layout=new_layout, batch=batch, steps=steps)
+    run = client.runs.resume(run_id, layout=new_layout, batch=batch, steps=steps, fresh=fresh)
     if wait:
         run = client.runs.wait(run.id, progress=err() if (progress and not as_json) else False)
     if as_json:

@@ -24,6 +24,7 @@ from service.store.runs import (
     active_runs,
     add_checkpoint,
     add_event,
+    checkpoint_exists,
     create_run,
     end_run,
     find_by_idempotency_key,
@@ -76,4 +77,5 @@ __all__ = [
     "add_checkpoint",
     "list_checkpoints",
     "latest_checkpoint",
+    "checkpoint_exists",
 ]

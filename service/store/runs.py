@@ -9,6 +9,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, TypeVar, overload
 
 from sqlalchemy import and_, func, or_, select, text
@@ -372,10 +373,19 @@ def list_checkpoints(
     return list(session.scalars(stmt.limit(limit) if limit else stmt).all())
 
 
-def latest_checkpoint(session: Session, *, run_id: str) -> Checkpoint | None:
-    return session.scalar(
+def checkpoint_exists(path: str) -> bool:
+    """A recorded checkpoint is still there: a local directory that exists (Ray Train's ``keep`` prunes older
+    ones), or a remote URL (not probed)."""
+    return "://" in path or Path(path).exists()
+
+
+def latest_checkpoint(session: Session, *, run_id: str, existing: bool = True) -> Checkpoint | None:
+    """The run's latest checkpoint (by step, then attempt); ``existing``: the latest one still on disk."""
+    stmt = (
         select(Checkpoint)
         .where(Checkpoint.run_id == run_id)
         .order_by(Checkpoint.step.desc(), Checkpoint.attempt.desc())
-        .limit(1)
     )
+    if not existing:
+        return session.scalar(stmt.limit(1))
+    return next((c for c in session.scalars(stmt) if checkpoint_exists(c.path)), None)
