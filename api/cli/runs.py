@@ -71,7 +71,7 @@ def print_summary(run: Any, console: Console | None = None) -> None:
     if s is not None:
         t.add_row("steps", f"{s.steps_done}/{run.spec.train.steps}")
         t.add_row("final loss", _num(s.final_loss))
-        t.add_row("tokens/s", _rate(s.mean_tokens_per_s))
+        t.add_row("tokens/s (mean of all steps)", _rate(s.mean_tokens_per_s))
         t.add_row("MFU", _pct(s.mean_mfu))
         if s.peak_memory_bytes_per_rank:
             peak = max(s.peak_memory_bytes_per_rank.values())

@@ -66,6 +66,7 @@ class Recorder:
         self.summary: dict[str, Any] | None = None
         self.rank_nodes: dict[str, str] | None = None
         self.peak_per_rank: dict[str, int] = {}
+        self.first_step_seen = False
         self.lock = threading.Lock()
 
     def apply(self, events: list[dict[str, Any]]) -> None:
@@ -107,7 +108,12 @@ class Recorder:
         if att.attempt != ev["attempt"]:
             logger.warning("attempt numbering differs: db %s, channel %s", att.attempt, ev["attempt"])
         self.current_attempt = ev["attempt"]
+        self.first_step_seen = False
         ranks = sorted(ev.get("ranks") or [], key=lambda r: r["rank"])
+        n_nodes = len({r["node_id"] for r in ranks})
+        store.add_phase(
+            s, run_id=self.run_id, phase=f"workers ready: {len(ranks)} on {n_nodes} node(s), attempt {ev['attempt']}"
+        )
         self.rank_nodes = {str(r["rank"]): r["node_id"] for r in ranks}
         store.get_run(s, run_id=self.run_id).rank_nodes = self.rank_nodes
         where = {str(r["rank"]): f"{r['node_id'][:12]} pid {r['pid']}" for r in ranks}
@@ -121,6 +127,9 @@ class Recorder:
                 self.peak_per_rank[str(i)] = max(self.peak_per_rank.get(str(i), 0), int(v))
             rows.append(r)
         store.add_metrics(s, run_id=self.run_id, attempt=ev["attempt"], rows=rows)
+        if rows and not self.first_step_seen:
+            self.first_step_seen = True
+            store.add_phase(s, run_id=self.run_id, phase=f"first step: step {rows[0].get('step')} trained")
 
     def _checkpoint(self, s: Session, ev: dict[str, Any]) -> None:
         if ev.get("step") is None:
@@ -217,6 +226,11 @@ class RunLifecycle:
 
     def start(self, reason: str) -> bool:
         return self.transition(RunStatus.RUNNING, reason)
+
+    def phase(self, text: str) -> None:
+        """A start-up phase (``store.add_phase``): an event, and the run's reason until it trains."""
+        with session_scope(self.factory) as s:
+            store.add_phase(s, run_id=self.run_id, phase=text, actor=self.actor)
 
     def status(self) -> RunStatus:
         with session_scope(self.factory) as s:

@@ -282,6 +282,31 @@ def set_reason(session: Session, *, run_id: str, reason: str) -> None:
         run.updated_at = utcnow()
 
 
+def add_phase(
+    session: Session, *, run_id: str, phase: str, actor: str | None = None, as_reason: bool = True
+) -> RunEvent:
+    """A start-up phase of the run ("queued: needs ...", "starting Ray Job ...", "placing 8 workers", "workers
+    ready", "first step"), with the seconds since it was (last) queued: an event of kind ``phase``, and the run's
+    reason while it has not trained a step yet (what the progress bar shows)."""
+    queued_at = session.scalar(
+        select(RunEvent.time)
+        .where(RunEvent.run_id == run_id, RunEvent.to_status == S.QUEUED.value)
+        .order_by(RunEvent.time.desc(), RunEvent.id.desc())
+        .limit(1)
+    )
+    elapsed = (utcnow() - _aware(queued_at)).total_seconds() if queued_at is not None else None
+    text = phase + (f" [+{elapsed:.1f} s since queued]" if elapsed is not None else "")
+    run = get_run(session, run_id=run_id)
+    if as_reason and not S(run.status).terminal:
+        run.status_reason = text
+        run.updated_at = utcnow()
+    return add_event(session, run_id=run_id, kind="phase", reason=text, actor=actor)
+
+
+def _aware(t: datetime) -> datetime:
+    return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
+
+
 def add_event(session: Session, *, run_id: str, kind: str, reason: str, actor: str | None = None) -> RunEvent:
     ev = RunEvent(run_id=run_id, kind=kind, reason=reason, actor=actor)
     session.add(ev)
