@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import torch
 from torch import nn
 
 from api.spec import Plan, RunSpec
+from api.spec.schedule import lr_factor
+
+__all__ = ["build_optimizer", "build_scheduler", "lr_factor", "param_groups"]
 
 log = logging.getLogger(__name__)
 
@@ -54,19 +56,6 @@ def build_optimizer(model_parts: list[nn.Module], spec: RunSpec, plan: Plan, *, 
     return cls(groups, **kw)
 
 
-def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:
-    """LR multiplier for 0-based optimizer ``step``: linear warmup to 1, then cosine/linear decay to
-    ``min_lr_ratio`` at ``total_steps`` (or constant)."""
-    if warmup_steps and step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    if schedule == "linear":
-        return 1.0 - (1.0 - min_lr_ratio) * progress
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
 def build_scheduler(optimizer: torch.optim.Optimizer, spec: RunSpec) -> torch.optim.lr_scheduler.LambdaLR:
     o = spec.optimizer
 
@@ -77,6 +66,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, spec: RunSpec) -> torch.op
             total_steps=spec.train.steps,
             schedule=o.schedule,
             min_lr_ratio=o.min_lr_ratio,
+            anchor=(o.lr_anchor_step, o.lr_anchor_factor or 0.0) if o.lr_anchor_step is not None else None,
         )
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

@@ -183,6 +183,8 @@ def validate(
     """Check a run spec locally (no service needed) and print the resolved plan."""
     import pydantic
 
+    from api.spec import RunSpec
+    from api.spec.messages import describe_errors
     from api.spec.validation import SpecError, build_plan
     from api.spec.yamlio import parse_run_spec
 
@@ -191,8 +193,9 @@ def validate(
         # the server's parse of a JSON body (what `meshrun submit` sends): valid here means accepted there
         spec = parse_run_spec(body)
     except pydantic.ValidationError as e:
-        first = e.errors()[0]
-        _fail(f"{first['msg']}", EXIT_INVALID, param=".".join(str(p) for p in first["loc"]))
+        # the same words as the service's 422 (api.spec.messages)
+        _code, message, param = describe_errors(e.errors(include_url=False), model=RunSpec)
+        _fail(message, EXIT_INVALID, param=param)
     except (TypeError, ValueError) as e:  # data JSON cannot carry (a YAML date, NaN)
         _fail(f"{file}: {e}; quote such values", EXIT_INVALID)
     try:

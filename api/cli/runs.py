@@ -73,7 +73,7 @@ def print_summary(run: Any, console: Console | None = None) -> None:
     if s is not None:
         t.add_row("steps", f"{s.steps_done}/{run.spec.train.steps}")
         t.add_row("final loss", _num(s.final_loss))
-        t.add_row("tokens/s", _rate(s.mean_tokens_per_s))
+        t.add_row("tokens/s (mean of all steps)", _rate(s.mean_tokens_per_s))
         t.add_row("MFU", _pct(s.mean_mfu))
         if s.peak_memory_bytes_per_rank:
             peak = max(s.peak_memory_bytes_per_rank.values())
@@ -228,12 +228,31 @@ def show(
     t.add_row("model", f"{m.name}/{m.preset}" + (f"  {run.plan.model.n_params:,} params" if run.plan else ""))
     t.add_row("batch", f"global {run.spec.batch.global_batch_size}, micro {run.spec.batch.micro_batch_size}")
     t.add_row("attempts", str(run.attempts))
+    if run.plan:
+        pl = run.plan
+        t.add_row(
+            "plan",
+            f"world {pl.world_size} = dp {pl.dp} (replicate {pl.dp_replicate} x shard {pl.dp_shard}) x tp {pl.tp} "
+            f"x pp {pl.pp}, zero {pl.zero_stage}, {pl.microbatches_per_step} micro-batches/step, "
+            f"{pl.tokens_per_step:,} tokens/step, {pl.device}, per worker {pl.resources_per_worker}",
+        )
     if run.plan and run.plan.predicted:
         p = run.plan.predicted
         t.add_row(
             "predicted",
-            f"{_gib(p.memory_bytes.total)} GiB/rank, {p.step_time_s.total:.3f} s/step, {_rate(p.tokens_per_s)} tok/s",
+            f"{_gib(p.memory_bytes.total)} GiB/rank, {p.step_time_s.total:.3f} s/step, {_rate(p.tokens_per_s)} tok/s"
+            + (f", MFU {p.mfu:.1%}" if p.mfu else ""),
         )
+        mem = p.memory_bytes
+        t.add_row(
+            "  memory/rank",
+            f"params {_gib(mem.params)}, grads {_gib(mem.grads)}, optimizer {_gib(mem.optimizer)}, "
+            f"activations {_gib(mem.activations)}, buffers {_gib(mem.buffers)} GiB",
+        )
+        st = p.step_time_s
+        parts = [(k, getattr(st, k)) for k in ("compute", "tp_comm", "pp_comm", "pp_bubble", "dp_comm", "optimizer")]
+        parts.append(("other", st.other))
+        t.add_row("  step time", ", ".join(f"{k} {v:.3f}" for k, v in parts if v) + " s")
     for w in run.plan.warnings if run.plan else []:
         t.add_row("warning", f"[yellow]{_escape(w)}[/]")
     t.add_row("created", _ts(run.created_at))
@@ -393,7 +412,12 @@ def resume(
     from_file: Optional[Path] = typer.Option(
         None, "--from-file", help="YAML with layout/batch/steps (or a run spec: its layout, batch, train.steps)."
     ),
-    steps: Optional[int] = typer.Option(None, min=1, help="New total step count."),
+    steps: Optional[int] = typer.Option(
+        None, min=1, help="New total step count (the LR schedule continues from the checkpoint, no jump)."
+    ),
+    fresh: bool = typer.Option(
+        False, "--fresh", help="The run has no checkpoint: start it again from step 0 (refused without this)."
+    ),
     wait: bool = typer.Option(False, "--wait", "-w"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
     as_json: bool = typer.Option(False, "--json"),
@@ -408,7 +432,7 @@ def resume(
         steps = steps or data.get("steps") or (data.get("train") or {}).get("steps")
     if layout is not None:
         new_layout = _usage(lambda: parse_layout(layout))
-    run = client.runs.resume(run_id, layout=new_layout, batch=batch, steps=steps)
+    run = client.runs.resume(run_id, layout=new_layout, batch=batch, steps=steps, fresh=fresh)
     if wait:
         run = client.runs.wait(run.id, progress=err() if (progress and not as_json) else False)
     if as_json:

@@ -26,7 +26,9 @@ def _fmt_rate(x: float | None) -> str:
 
 
 class RunProgress:
-    """step/total bar with loss, tokens/s, MFU and ETA, fed by incremental metric rows."""
+    """step/total bar with loss, tokens/s (``now``: the latest step's; ``mean``: over every step so far, the slow
+    first steps included: the same mean as the run summary's "tokens/s (mean of all steps)") and ETA, fed by
+    incremental metric rows; before the first step, the run's start-up phase and its elapsed time."""
 
     def __init__(self, console: Any) -> None:
         from rich.progress import (
@@ -43,7 +45,7 @@ class RunProgress:
             BarColumn(bar_width=24),
             MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"),
-            TextColumn("{task.fields[tps]} tok/s"),
+            TextColumn("tok/s now {task.fields[tps]} mean {task.fields[mean_tps]}"),
             TextColumn("{task.fields[status]}"),
             TextColumn("eta"),
             TimeRemainingColumn(),
@@ -53,6 +55,8 @@ class RunProgress:
             refresh_per_second=4,
         )
         self._task: Any = None
+        self._seen = 0
+        self._tps_sum = 0.0
         self._progress.start()
 
     @classmethod
@@ -64,15 +68,22 @@ class RunProgress:
     def update(self, run: Any, rows: list[Any]) -> None:
         total = run.spec.train.steps
         status = RunStatus(run.status).value
+        if not self._seen and not RunStatus(run.status).terminal and run.status_reason:
+            # before the first step: the start-up phase (queued and why, starting the Ray Job, placing N workers,
+            # workers ready) with its elapsed time
+            status = f"{status}: {run.status_reason}"
         if self._task is None:
             self._task = self._progress.add_task(
-                f"{run.name} ({run.id})", total=total, loss="-", tps="-", status=status
+                f"{run.name} ({run.id})", total=total, loss="-", tps="-", mean_tps="-", status=status
             )
         fields: dict[str, Any] = {"status": status}
         if rows:
+            self._seen += len(rows)
             last = rows[-1]
             fields["loss"] = f"{last.loss:.4f}" if last.loss is not None else "-"
-            fields["tps"] = _fmt_rate(last.tokens_per_s)
+            fields["tps"] = _fmt_rate(last.tokens_per_s)  # instantaneous: the latest step's
+            self._tps_sum += sum(r.tokens_per_s or 0.0 for r in rows)
+            fields["mean_tps"] = _fmt_rate(self._tps_sum / self._seen)  # mean over every step seen so far
             total = max(total, last.step)
             self._progress.update(self._task, completed=last.step, total=total, **fields)
         else:

@@ -130,9 +130,14 @@ class Run(RunPublic):
         return self._replace(self._client.runs.cancel(self.id))
 
     def resume(
-        self, *, layout: Layout | dict[str, Any] | str | None = None, batch: Any = None, steps: int | None = None
+        self,
+        *,
+        layout: Layout | dict[str, Any] | str | None = None,
+        batch: Any = None,
+        steps: int | None = None,
+        fresh: bool = False,
     ) -> Run:
-        return self._replace(self._client.runs.resume(self.id, layout=layout, batch=batch, steps=steps))
+        return self._replace(self._client.runs.resume(self.id, layout=layout, batch=batch, steps=steps, fresh=fresh))
 
 
 class RunPage(RunList):
@@ -384,11 +389,16 @@ class Runs(RunDiagnostics, _Resource):
         layout: Layout | dict[str, Any] | str | None = None,
         batch: Any = None,
         steps: int | None = None,
+        fresh: bool = False,
         idempotency_key: str | None = None,
     ) -> Run:
         """Resume a stopped run from its latest checkpoint, optionally on a new ``layout`` (``"dp=2,tp=1"``,
-        a dict or a Layout; the checkpoint is resharded), ``batch`` or total ``steps``."""
+        a dict or a Layout; the checkpoint is resharded), ``batch`` or total ``steps`` (a longer horizon continues
+        the LR schedule without a jump). A run without a checkpoint is refused (409) unless ``fresh=True``: start
+        again from step 0."""
         body: dict[str, Any] = {}
+        if fresh:
+            body["fresh"] = True
         if layout is not None:
             body["layout"] = parse_layout(layout) if isinstance(layout, str) else to_body(layout)
         if batch is not None:

@@ -177,6 +177,13 @@ class OptimizerSpec(_Spec):
     schedule: Literal["cosine", "constant", "linear"] = "cosine"
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     grad_clip: float | None = Field(1.0, gt=0, description="Max global grad norm; null disables clipping.")
+    lr_anchor_step: int | None = Field(
+        None,
+        ge=0,
+        description="Set by resume when the horizon (train.steps) changes: from this optimizer step on, the decay "
+        "starts at lr_anchor_factor and ends at the new horizon (no LR jump).",
+    )
+    lr_anchor_factor: float | None = Field(None, ge=0, le=1)
 
 
 class TrainSpec(_Spec):
@@ -291,6 +298,9 @@ class RunSpec(_Spec):
 
 
 class ResumeRequest(_Spec):
+    fresh: bool = Field(
+        False, description="Start again from step 0 when the run has no checkpoint (refused otherwise)."
+    )
     layout: Layout | None = Field(None, description="New layout; the checkpoint is resharded on load.")
     batch: BatchSpec | None = None
     steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="New total step count.")

@@ -18,6 +18,7 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.spec import BatchSpec, ClusterPublic, ClusterSpec, Layout, NodePublic, Plan, RunSpec, RunStatus
+from api.spec.schedule import resume_anchor
 from api.spec.validation import build_plan
 from service import store, sweeps
 from service.cluster.capacity import planning_cluster
@@ -282,12 +283,15 @@ class Runtime:
         batch: BatchSpec | None = None,
         steps: int | None = None,
         actor: str | None = None,
+        fresh: bool = False,
     ) -> None:
-        """FAILED/CANCELLED -> QUEUED from the latest checkpoint, with the spec/plan updated to a new layout,
-        batch or step count (the checkpoint reshards on load)."""
+        """FAILED/CANCELLED -> QUEUED from the latest checkpoint that exists (``fresh``: from step 0 when there is
+        none), with the spec/plan updated to a new layout, batch or step count (the checkpoint reshards on load; a
+        new horizon continues the LR schedule from the checkpoint's step without a jump)."""
         with session_scope(self.factory) as s:
             run = store.get_run(s, run_id=run_id)
             spec = RunSpec.model_validate(run.spec)
+            ck = store.latest_checkpoint(s, run_id=run_id)
             update: dict[str, Any] = {}
             if layout is not None:
                 update["layout"] = Layout.model_validate(layout)
@@ -295,14 +299,15 @@ class Runtime:
                 update["batch"] = BatchSpec.model_validate(batch)
             if steps is not None:
                 update["train"] = spec.train.model_copy(update={"steps": int(steps)})
+                if ck is not None:
+                    update["optimizer"] = _continued_schedule(spec, ck.step, int(steps))
             new_spec = RunSpec.model_validate(spec.model_copy(update=update).model_dump())
             plan = build_plan(new_spec, device=(Plan.model_validate(run.plan).device if run.plan else "auto"))
             old = Plan.model_validate(run.plan) if run.plan else None
             if old is not None and old.predicted is not None and not update:
                 plan = plan.model_copy(update={"predicted": old.predicted})
-            ck = store.latest_checkpoint(s, run_id=run_id)
             resume_from = ck.path if ck is not None else None
-            what = f"from checkpoint of step {ck.step}" if ck is not None else "from scratch (no checkpoint)"
+            what = f"from checkpoint of step {ck.step}" if ck is not None else "fresh from step 0 (no checkpoint)"
             if layout is not None:
                 what += f" with layout dp={plan.dp} tp={plan.tp} pp={plan.pp}"
             store.transition(
@@ -318,3 +323,20 @@ class Runtime:
                 summary=None,
             )
         self.wake()
+
+
+def _continued_schedule(spec: RunSpec, step: int, new_steps: int) -> Any:
+    """The optimizer spec whose LR schedule continues from the checkpoint's ``step`` to the new horizon."""
+    o = spec.optimizer
+    anchor = resume_anchor(
+        step,
+        old_total_steps=spec.train.steps,
+        new_total_steps=new_steps,
+        warmup_steps=o.warmup_steps,
+        schedule=o.schedule,
+        min_lr_ratio=o.min_lr_ratio,
+        old_anchor=(o.lr_anchor_step, o.lr_anchor_factor or 0.0) if o.lr_anchor_step is not None else None,
+    )
+    if anchor is None:
+        return o
+    return o.model_copy(update={"lr_anchor_step": anchor[0], "lr_anchor_factor": anchor[1]})

@@ -164,6 +164,7 @@ class Scheduler:
                 )
             except store.Conflict:
                 return False
+            store.add_phase(s, run_id=run_id, phase="admitted: starting in the sweep's Ray Job", actor="scheduler")
         self.pending[run_id] = _Pending(placement=d.placement, attempts_at_admission=attempts)
         logger.info("sweep trial run %s admitted", run_id)
         return True
@@ -180,6 +181,8 @@ class Scheduler:
             return False
         if d.action == "wait":
             with session_scope(self.factory) as s:
+                if store.get_run(s, run_id=run_id).status_reason != d.reason:  # a new reason: a phase event
+                    store.add_phase(s, run_id=run_id, phase=f"queued: {d.reason}", actor="scheduler", as_reason=False)
                 store.set_reason(s, run_id=run_id, reason=d.reason)
             return False
         assert d.placement is not None
@@ -249,6 +252,8 @@ class Scheduler:
                     pass
             return False
         self.pending[run_id] = _Pending(placement=placement, attempts_at_admission=attempts)
+        with session_scope(self.factory) as s:
+            store.add_phase(s, run_id=run_id, phase=f"starting Ray Job {sid}", actor="scheduler")
         logger.info("run %s admitted as Ray Job %s", run_id, sid)
         return True
 

@@ -219,6 +219,14 @@ def resume_run(
     new_spec = RunSpec.model_validate(spec.model_copy(update=update).model_dump())
     check_spec_policy(new_spec, can_run_code=can_run_code, settings=settings, admin=admin)
     check_fits(session, new_spec, build_plan(new_spec), runtime)  # 422 before anything changes
+    if not request.fresh and store.latest_checkpoint(session, run_id=run_id) is None:
+        done = run.summary.get("steps_done") if isinstance(run.summary, dict) else None
+        lost = f" (its {done} finished steps would be lost)" if done else ""
+        raise store.Conflict(
+            f"run '{run_id}' has no checkpoint to resume from{lost}; start it again from step 0 with "
+            "fresh: true (meshrun resume RUN --fresh), or give it checkpoint.every_steps next time",
+            param="fresh",
+        )
     if runtime is None:
         raise RuntimeUnavailable(
             "resuming needs the scheduler (Ray runtime), which this API process does not run; "
@@ -226,6 +234,8 @@ def resume_run(
         )
     store.add_event(session, run_id=run_id, kind="audit", reason=f"resume requested by {actor}", actor=actor)
     session.commit()
-    runtime.resume_run(run_id, layout=request.layout, batch=request.batch, steps=request.steps, actor=actor)
+    runtime.resume_run(
+        run_id, layout=request.layout, batch=request.batch, steps=request.steps, actor=actor, fresh=request.fresh
+    )
     session.expire(run)
     return store.get_run(session, run_id=run_id)

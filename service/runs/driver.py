@@ -33,7 +33,7 @@ from service.cluster.placement import Placement
 from service.runs.inspect import InspectionFailed, describe, inspect_in_driver
 from service.runs.lifecycle import Outcome, RunLifecycle
 from service.runs.preemption import preemption_reason
-from service.runs.trainer import build_trainer, train_run_name
+from service.runs.trainer import build_trainer, placing_phase, train_run_name
 from service.settings import Settings
 from service.store.db import make_engine, make_sessionmaker, session_scope
 
@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with life.channel(first_attempt=first_attempt) as channel:
             try:
+                life.phase(placing_phase(plan))
                 trainer = build_trainer(
                     run_id=run_id,
                     run_name=run_name,

@@ -83,6 +83,7 @@ class Recorder:
         self.stragglers = StragglerWatch()
         self.hangs = HangWatch()
         self.hang_reasons: dict[int, str] = {}  # attempt -> why the driver failed it
+        self.first_step_seen = False
         self.lock = threading.Lock()
 
     def apply(self, events: list[dict[str, Any]]) -> None:
@@ -129,7 +130,12 @@ class Recorder:
         if att.attempt != ev["attempt"]:
             logger.warning("attempt numbering differs: db %s, channel %s", att.attempt, ev["attempt"])
         self.current_attempt = ev["attempt"]
+        self.first_step_seen = False
         ranks = sorted(ev.get("ranks") or [], key=lambda r: r["rank"])
+        n_nodes = len({r["node_id"] for r in ranks})
+        store.add_phase(
+            s, run_id=self.run_id, phase=f"workers ready: {len(ranks)} on {n_nodes} node(s), attempt {ev['attempt']}"
+        )
         self.rank_nodes = {str(r["rank"]): r["node_id"] for r in ranks}
         self.rank_hosts = {str(r["rank"]): str(r.get("host") or "") for r in ranks}
         self.stragglers.reset()
@@ -154,6 +160,9 @@ class Recorder:
             rows.append(r)
             self._watch(s, r)
         store.add_metrics(s, run_id=self.run_id, attempt=ev["attempt"], rows=rows)
+        if rows and not self.first_step_seen:
+            self.first_step_seen = True
+            store.add_phase(s, run_id=self.run_id, phase=f"first step: step {rows[0].get('step')} trained")
 
     def _watch(self, s: Session, row: dict[str, Any]) -> None:
         """Stragglers (per-rank compute of measured steps) and the step times the hang timeout derives from."""
@@ -272,6 +281,11 @@ class RunLifecycle:
 
     def start(self, reason: str) -> bool:
         return self.transition(RunStatus.RUNNING, reason)
+
+    def phase(self, text: str) -> None:
+        """A start-up phase (``store.add_phase``): an event, and the run's reason until it trains."""
+        with session_scope(self.factory) as s:
+            store.add_phase(s, run_id=self.run_id, phase=text, actor=self.actor)
 
     def status(self) -> RunStatus:
         with session_scope(self.factory) as s:

@@ -31,7 +31,7 @@ from ray.train.v2.api.config import FailureConfig  # Train V2 (the default): has
 
 from api.spec import Plan, RunSpec
 from service.cluster.jobs import ChannelCallback, channel_name
-from service.cluster.placement import Placement, worker_resources
+from service.cluster.placement import Placement, slot_description, worker_resources
 from service.settings import Settings
 
 if TYPE_CHECKING:
@@ -50,6 +50,12 @@ def train_run_name(run_id: str, submission: int) -> str:
 
 
 RUN_START_RETRIES = 2
+
+
+def placing_phase(plan: Plan) -> str:
+    """The start-up phase while Ray Train places the workers (its placement group, then one actor per rank)."""
+    unit = slot_description(worker_resources(plan))
+    return f"placing {plan.world_size} workers of {unit} (Ray Train: placement group, worker processes, torch)"
 
 
 def scaling_config(plan: Plan, placement: Placement | None) -> ScalingConfig:

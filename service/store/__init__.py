@@ -24,6 +24,8 @@ from service.store.runs import (
     active_runs,
     add_checkpoint,
     add_event,
+    add_phase,
+    checkpoint_exists,
     create_run,
     end_run,
     fence,
@@ -60,6 +62,7 @@ __all__ = [
     "fence",
     "set_reason",
     "add_event",
+    "add_phase",
     "list_events",
     "start_attempt",
     "finish_attempt",
@@ -78,4 +81,5 @@ __all__ = [
     "add_checkpoint",
     "list_checkpoints",
     "latest_checkpoint",
+    "checkpoint_exists",
 ]

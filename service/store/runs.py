@@ -9,6 +9,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, TypeVar, overload
 
 from sqlalchemy import and_, func, or_, select, text, update
@@ -296,6 +297,31 @@ def set_reason(session: Session, *, run_id: str, reason: str) -> None:
         run.updated_at = utcnow()
 
 
+def add_phase(
+    session: Session, *, run_id: str, phase: str, actor: str | None = None, as_reason: bool = True
+) -> RunEvent:
+    """A start-up phase of the run ("queued: needs ...", "starting Ray Job ...", "placing 8 workers", "workers
+    ready", "first step"), with the seconds since it was (last) queued: an event of kind ``phase``, and the run's
+    reason while it has not trained a step yet (what the progress bar shows)."""
+    queued_at = session.scalar(
+        select(RunEvent.time)
+        .where(RunEvent.run_id == run_id, RunEvent.to_status == S.QUEUED.value)
+        .order_by(RunEvent.time.desc(), RunEvent.id.desc())
+        .limit(1)
+    )
+    elapsed = (utcnow() - _aware(queued_at)).total_seconds() if queued_at is not None else None
+    text = phase + (f" [+{elapsed:.1f} s since queued]" if elapsed is not None else "")
+    run = get_run(session, run_id=run_id)
+    if as_reason and not S(run.status).terminal:
+        run.status_reason = text
+        run.updated_at = utcnow()
+    return add_event(session, run_id=run_id, kind="phase", reason=text, actor=actor)
+
+
+def _aware(t: datetime) -> datetime:
+    return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
+
+
 def add_event(session: Session, *, run_id: str, kind: str, reason: str, actor: str | None = None) -> RunEvent:
     ev = RunEvent(run_id=run_id, kind=kind, reason=reason, actor=actor)
     session.add(ev)
@@ -387,10 +413,19 @@ def list_checkpoints(
     return list(session.scalars(stmt.limit(limit) if limit else stmt).all())
 
 
-def latest_checkpoint(session: Session, *, run_id: str) -> Checkpoint | None:
-    return session.scalar(
+def checkpoint_exists(path: str) -> bool:
+    """A recorded checkpoint is still there: a local directory that exists (Ray Train's ``keep`` prunes older
+    ones), or a remote URL (not probed)."""
+    return "://" in path or Path(path).exists()
+
+
+def latest_checkpoint(session: Session, *, run_id: str, existing: bool = True) -> Checkpoint | None:
+    """The run's latest checkpoint (by step, then attempt); ``existing``: the latest one still on disk."""
+    stmt = (
         select(Checkpoint)
         .where(Checkpoint.run_id == run_id)
         .order_by(Checkpoint.step.desc(), Checkpoint.attempt.desc())
-        .limit(1)
     )
+    if not existing:
+        return session.scalar(stmt.limit(1))
+    return next((c for c in session.scalars(stmt) if checkpoint_exists(c.path)), None)

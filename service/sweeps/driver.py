@@ -45,7 +45,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.spec import RunStatus, SweepCreate
 from service.runs.lifecycle import Outcome, RunLifecycle
-from service.runs.trainer import build_trainer, train_run_name
+from service.runs.trainer import build_trainer, placing_phase, train_run_name
 from service.settings import Settings
 from service.store.db import session_scope, shared_sessionmaker
 from service.sweeps.execution import DRIVER_ACTOR, finish_sweep
@@ -185,6 +185,7 @@ def run_trial(config: dict[str, Any]) -> None:
     box: dict[str, Any] = {}
     t0 = time.time()
     with life.channel(first_attempt=1) as channel:
+        life.phase(placing_phase(tr.plan))
 
         def fit() -> None:
             try:

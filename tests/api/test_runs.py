@@ -208,7 +208,10 @@ def test_resume_and_logs_without_runtime(client):
     run = _submit(client)
     assert _error(client.post(f"/v1/runs/{run['id']}/resume", json={}), 409)["param"] == "status"
     client.post(f"/v1/runs/{run['id']}/cancel")
-    assert _error(client.post(f"/v1/runs/{run['id']}/resume", json={"steps": 10}), 503)["code"] == \
+    # no checkpoint: refused with what to do, unless the caller asks for a fresh start explicitly
+    err = _error(client.post(f"/v1/runs/{run['id']}/resume", json={"steps": 10}), 409)
+    assert err["param"] == "fresh" and "no checkpoint" in err["message"] and "--fresh" in err["message"]
+    assert _error(client.post(f"/v1/runs/{run['id']}/resume", json={"steps": 10, "fresh": True}), 503)["code"] == \
         "runtime_unavailable"
     assert _error(client.post(f"/v1/runs/{run['id']}/resume", json={"layout": {"tp": 3}}), 422)["param"] == \
         "layout.tp"
@@ -244,12 +247,18 @@ def test_metrics_since_step_and_attempts(client):
     _error(client.get(f"/v1/runs/{run['id']}/metrics?since_step=-1"), 422)
 
 
-def test_checkpoints_listed(client):
+def test_checkpoints_listed(client, tmp_path):
+    """Only checkpoints that exist are listed: one pruned by ``checkpoint.keep`` (its directory gone) is left out;
+    a remote URL is listed (not probed)."""
     run = _submit(client)
+    (tmp_path / "ck10").mkdir()
     with client.app.state.session_factory.begin() as s:
-        store.add_checkpoint(s, run_id=run["id"], attempt=1, step=10, path="/ck/10", size_bytes=123)
+        store.add_checkpoint(s, run_id=run["id"], attempt=1, step=5, path=str(tmp_path / "ck5"), size_bytes=1)
+        store.add_checkpoint(s, run_id=run["id"], attempt=1, step=10, path=str(tmp_path / "ck10"), size_bytes=123)
+        store.add_checkpoint(s, run_id=run["id"], attempt=1, step=15, path="s3://bucket/ck15", size_bytes=2)
     cks = client.get(f"/v1/runs/{run['id']}/checkpoints").json()["items"]
-    assert [(c["step"], c["path"], c["size_bytes"]) for c in cks] == [(10, "/ck/10", 123)]
+    assert [(c["step"], c["path"], c["size_bytes"]) for c in cks] == [(10, str(tmp_path / "ck10"), 123),
+                                                                      (15, "s3://bucket/ck15", 2)]
 
 
 # -------------------------------------------------------------------------------------------- fake runtime

@@ -273,3 +273,29 @@ def test_serve_prints_the_console_url_and_serves_it(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_offline_validate_says_what_the_service_says(api_server, tmp_path):
+    import yaml
+
+    body = yaml.safe_load((EXAMPLES / "dp.yaml").read_text())
+    body["optimizer"] = {**body.get("optimizer", {}), "lrr": 1e-3}
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump(body))
+    r = runner.invoke(app, ["validate", str(path)])
+    assert r.exit_code == 4
+    served = httpx.post(f"{api_server.url}/v1/runs", json=body, timeout=30)
+    assert served.status_code == 422
+    message = served.json()["error"]["message"]
+    assert message.startswith("unknown field 'optimizer.lrr'; remove it or fix its spelling")
+    assert " ".join(message.split()) in " ".join(r.stderr.split())
+
+
+def test_show_includes_the_plan_breakdown(api_server):
+    r = cli(api_server.url, "submit", str(EXAMPLES / "dp.yaml"), "--name", uname("show"), "--json")
+    run = json.loads(r.stdout)
+    r = cli(api_server.url, "show", run["id"])
+    assert r.exit_code == 0, r.output
+    assert "world 2 = dp 2 (replicate 2 x shard 1) x tp 1 x pp 1" in r.stdout
+    if run["plan"].get("predicted"):
+        assert "memory/rank" in r.stdout and "step time" in r.stdout and "compute" in r.stdout

@@ -140,3 +140,23 @@ def test_sweep_progress_counts_skipped_trials_apart():
     view.close()
     text = console.export_text()
     assert "0/1" in text and "(1 skipped)" in text
+
+
+def test_run_progress_shows_the_startup_phase_then_labelled_tokens_per_s():
+    from types import SimpleNamespace as NS
+
+    from rich.console import Console
+
+    from api.sdk._progress import RunProgress
+
+    console = Console(record=True, width=250)
+    view = RunProgress(console)
+    run = NS(name="r", id="run-1", status="STARTING", spec=NS(train=NS(steps=4)),
+             status_reason="placing 8 workers of 1 CPU (Ray Train) [+3.2 s since queued]")
+    view.update(run, [])
+    assert view._progress.tasks[0].fields["status"] == f"STARTING: {run.status_reason}"
+    running = NS(**{**vars(run), "status": "RUNNING"})
+    view.update(running, [NS(step=1, loss=5.0, tokens_per_s=100.0), NS(step=2, loss=4.0, tokens_per_s=300.0)])
+    view.close()
+    text = console.export_text()
+    assert "tok/s now 300 mean 200" in text and "2/4" in text

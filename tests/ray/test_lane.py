@@ -5,13 +5,14 @@ process group at the end), a run on meshrun's cluster succeeds, its Ray Job runs
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 
 import httpx
 import pytest
 
-from tests.ray.helpers import ray_job, submit, tiny_spec, wait_for
+from tests.ray.helpers import events, ray_job, submit, tiny_spec, wait_for
 from tests.ray.test_health import Head, small_head  # noqa: F401 - the second head's fixture
 
 pytestmark = pytest.mark.ray
@@ -29,3 +30,9 @@ def test_run_succeeds_beside_another_ray_head(live_service, small_head: Head) ->
     env = (job.runtime_env or {}).get("env_vars", {})
     assert env["RAY_ADDRESS"] == live_service.runtime.gcs_address
     assert job.metadata["job_name"] == "lane-dp2"
+    # start-up you can see: the phases, in order, each with its time since the run was queued
+    phases = [e["reason"] for e in events(url, run["id"]) if e["kind"] == "phase"]
+    order = ["starting Ray Job", "placing 2 workers", "workers ready: 2", "first step"]
+    found = [next(i for i, p in enumerate(phases) if p.startswith(o)) for o in order]
+    assert found == sorted(found), phases
+    assert all(re.search(r"\[\+\d+\.\d s since queued\]$", p) for p in phases), phases

@@ -355,5 +355,11 @@ def test_a_sweep_trials_run_joins_the_same_queue_and_gets_no_ray_job_of_its_own(
     submitted = len(sched.jobs.submitted)
     sched.tick()
     status, reason, job = _run(sched, trial)
-    assert status == "STARTING" and reason.startswith("admitted: 2 workers") and job == "meshrun-sw_a-1"
+    assert status == "STARTING" and reason.startswith("admitted: starting in the sweep's Ray Job") \
+        and job == "meshrun-sw_a-1"
+    # its start-up phases: queued with the reason, once per new reason (not every tick), then admitted
+    with session_scope(sched.factory) as s:
+        phases = [e.reason for e in store.list_events(s, run_id=trial, kinds=["phase"])]
+    assert [p.split(" [+")[0].split(" run-")[0] for p in phases] == [
+        "queued: waiting behind run", "admitted: starting in the sweep's Ray Job"], phases
     assert len(sched.jobs.submitted) == submitted and trial in sched.pending

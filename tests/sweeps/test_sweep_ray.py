@@ -136,8 +136,10 @@ def test_cancel_running_sweep_cancels_its_trials(live_service):
         running = [t for t in cur["trials"] if t["status"] == "RUNNING" and t["run_id"]]
         if running and metrics(url, running[0]["run_id"]):
             run_id = running[0]["run_id"]
-        assert time.monotonic() < deadline, cur
-        assert cur["status"] not in TERMINAL, cur
+        why = [(t["id"], t["status"], t.get("reason"), t["run_id"] and get_run(url, t["run_id"])["status_reason"])
+               for t in cur["trials"]]
+        assert time.monotonic() < deadline, (cur["status"], cur["status_reason"], why)
+        assert cur["status"] not in TERMINAL, (cur["status"], cur["status_reason"], why)
         time.sleep(1)
     r = httpx.post(f"{url}/v1/sweeps/{sw['id']}/cancel", timeout=60)
     assert r.status_code == 200 and r.json()["status"] == "CANCELLED"

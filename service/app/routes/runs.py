@@ -441,13 +441,16 @@ def get_checkpoints(
     limit: Annotated[int, Query(ge=1, le=MAX_LIST_LIMIT)] = 100,
     cursor: Cursor = None,
 ) -> CheckpointList:
-    """By step, one page at a time; pass ``next_cursor`` back as ``cursor``."""
+    """The checkpoints that exist (pruned ones are left out), by step, one page at a time; pass ``next_cursor``
+    back as ``cursor``."""
     store.get_run(session, run_id=run_id, project=principal.scope)
     after = decode_cursor(cursor, "checkpoints", int, int) if cursor else None
     rows = store.list_checkpoints(session, run_id=run_id, after=after, limit=limit + 1)
     more, rows = len(rows) > limit, rows[:limit]
     nxt = encode_cursor("checkpoints", rows[-1].step, rows[-1].attempt) if more else None
-    return CheckpointList(run_id=run_id, items=[_checkpoint(c) for c in rows], next_cursor=nxt)
+    # only checkpoints that still exist (``checkpoint.keep`` prunes older ones); a page may hold fewer than limit
+    items = [_checkpoint(c) for c in rows if store.checkpoint_exists(c.path)]
+    return CheckpointList(run_id=run_id, items=items, next_cursor=nxt)
 
 
 @router.get(

@@ -1,0 +1,181 @@
+"""Submit -> first step: a run through meshrun vs a bare Ray ``TorchTrainer`` with the same number of workers.
+
+    python bench/bench_first_step.py                    # dp=2 tiny GPT, 2 rounds, a local Ray head
+    python bench/bench_first_step.py --workers 4 --repeats 3
+    python bench/bench_first_step.py --ray-address HOST:PORT --dashboard-url http://HOST:8265
+
+One Ray head and one meshrun service start first (not timed). Then each round, in alternating order, never together:
+
+- meshrun: ``POST /v1/runs`` (tiny GPT, ``--workers`` data-parallel CPU workers, 3 steps) until the first metric
+  row's time; the run's phase events say where the time went (queued -> starting the Ray Job -> placing the
+  workers -> workers ready -> first step);
+- bare Ray Train: a Ray Job (the same Jobs API meshrun uses) whose entrypoint is this file in ``--bare-driver``
+  mode: ``ray.init`` and a ``TorchTrainer`` of ``--workers`` CPU workers whose loop does one DDP step of a small
+  linear model; rank 0 writes the time of its first step to a file.
+
+Printed side by side: submit -> first step for both, meshrun's extra, and meshrun's phases. The difference is
+meshrun's share: the database, the scheduler's tick (``scheduler_interval_s``), the driver's start-up (imports,
+the run channel actor), and the model (a GPT with its parallel plan instead of one linear layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.bench_launcher import meshrun_service  # noqa: E402
+
+
+def spec(workers: int) -> dict[str, Any]:
+    return {
+        "name": f"bench-first-step-{uuid.uuid4().hex[:6]}",
+        "model": {"name": "gpt", "preset": "tiny"},
+        "data": {"source": "synthetic"},
+        "layout": {"dp": workers},
+        "batch": {"global_batch_size": 2 * workers, "micro_batch_size": 2},
+        "train": {"steps": 3, "seed": 0},
+        "optimizer": {"warmup_steps": 0, "schedule": "constant"},
+        "resources": {"device": "cpu", "cpus_per_worker": 1},
+    }
+
+
+def run_meshrun(url: str, workers: int) -> tuple[float, list[str]]:
+    import httpx
+
+    t0 = time.time()
+    r = httpx.post(f"{url}/v1/runs", json=spec(workers), timeout=60)
+    r.raise_for_status()
+    run_id = r.json()["id"]
+    while True:
+        rows = httpx.get(f"{url}/v1/runs/{run_id}/metrics", timeout=30).json()["items"]
+        if rows:
+            first = datetime.fromisoformat(rows[0]["time"]).timestamp() - t0
+            break
+        run = httpx.get(f"{url}/v1/runs/{run_id}", timeout=30).json()
+        if run["status"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
+            raise SystemExit(f"meshrun run {run_id} ended {run['status']} before a step: {run.get('status_reason')}")
+        time.sleep(0.2)
+    phases = [
+        e["reason"]
+        for e in httpx.get(f"{url}/v1/runs/{run_id}/events", timeout=30).json()["items"]
+        if e["kind"] == "phase"
+    ]
+    return first, phases
+
+
+def run_bare(dashboard_url: str, gcs_address: str, workers: int, tmp: Path) -> float:
+    from ray.job_submission import JobSubmissionClient
+
+    out = tmp / f"bare-{uuid.uuid4().hex[:6]}.txt"
+    client = JobSubmissionClient(dashboard_url)
+    t0 = time.time()
+    job = client.submit_job(
+        entrypoint=f"{sys.executable} {Path(__file__).resolve()} --bare-driver --workers {workers} --out {out}",
+        runtime_env={"env_vars": {"RAY_ADDRESS": gcs_address, "PYTHONPATH": str(ROOT)}},
+    )
+    while not out.exists():
+        status = str(client.get_job_status(job))
+        if status.endswith(("FAILED", "STOPPED")):
+            raise SystemExit(f"bare Ray Train job {job} {status}:\n{client.get_job_logs(job)[-3000:]}")
+        time.sleep(0.2)
+    while not out.read_text().strip():
+        time.sleep(0.05)
+    return float(out.read_text()) - t0
+
+
+def bare_driver(workers: int, out: str) -> None:
+    """The bare Ray Train run: one DDP step of a linear model on ``workers`` CPU workers."""
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    def loop(config: dict[str, Any]) -> None:
+        import torch
+        from ray import train
+        from ray.train.torch import prepare_model
+
+        model = prepare_model(torch.nn.Linear(64, 64))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        loss = model(torch.randn(8, 64)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        if train.get_context().get_world_rank() == 0:
+            Path(config["out"]).write_text(f"{time.time()}")
+
+    ray.init(address=os.environ.get("RAY_ADDRESS"))
+    TorchTrainer(
+        loop,
+        train_loop_config={"out": out},
+        scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name=f"bare-{uuid.uuid4().hex[:8]}", storage_path=str(Path(out).parent / "train")),
+    ).fit()
+
+
+def _fmt(xs: list[float]) -> str:
+    return f"{statistics.median(xs):6.1f} s [{min(xs):.1f}-{max(xs):.1f}]"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--ray-address")
+    ap.add_argument("--dashboard-url")
+    ap.add_argument("--num-cpus", type=int, default=None, help="CPU slots of the local head (default: meshrun's)")
+    ap.add_argument("--bare-driver", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.bare_driver:
+        bare_driver(args.workers, args.out)
+        return 0
+    tmp = Path(tempfile.mkdtemp(prefix="mr-first-step-", dir="/tmp"))
+    mesh: list[float] = []
+    bare: list[float] = []
+    phases: list[str] = []
+    with contextlib.ExitStack() as stack:
+        url = stack.enter_context(
+            meshrun_service(tmp, ray_address=args.ray_address, dashboard_url=args.dashboard_url, num_cpus=args.num_cpus)
+        )
+        import httpx
+
+        cluster = httpx.get(f"{url}/v1/cluster", timeout=30).json()
+        dash = args.dashboard_url or cluster.get("dashboard_url")
+        gcs = args.ray_address or cluster.get("address") or cluster.get("ray_address")
+        for i in range(args.repeats):
+            order = ("meshrun", "bare") if i % 2 == 0 else ("bare", "meshrun")
+            for which in order:
+                if which == "meshrun":
+                    t, phases = run_meshrun(url, args.workers)
+                    mesh.append(t)
+                else:
+                    bare.append(run_bare(dash, gcs, args.workers, tmp))
+                print(
+                    f"round {i + 1} {which:8s} submit -> first step {(mesh if which == 'meshrun' else bare)[-1]:.1f} s"
+                )
+    print()
+    print(f"submit -> first step, {args.workers} CPU workers, median [min-max] of {args.repeats} rounds")
+    print(f"  meshrun (REST -> DB -> scheduler -> Ray Job -> driver -> Ray Train): {_fmt(mesh)}")
+    print(f"  bare Ray TorchTrainer (Ray Job -> driver -> Ray Train):            {_fmt(bare)}")
+    print(f"  meshrun's extra: {statistics.median(mesh) - statistics.median(bare):+.1f} s (target <= 3 s)")
+    print("  meshrun's phases (last round):")
+    for p in phases:
+        print(f"    {p}")
+    print(json.dumps({"meshrun_s": mesh, "bare_s": bare, "workers": args.workers}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
