@@ -3,7 +3,7 @@ divide the heads, does the batch divide, ...) live in ``api.spec.validation`` so
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -163,6 +163,9 @@ class BatchSpec(_Spec):
     micro_batch_size: int = Field(2, ge=1, le=MAX_BATCH, description="Sequences per forward/backward.")
 
 
+Beta = Annotated[float, Field(ge=0, lt=1)]
+
+
 class OptimizerSpec(_Spec):
     name: Literal["adamw", "sgd"] = Field(
         "adamw",
@@ -172,11 +175,11 @@ class OptimizerSpec(_Spec):
     momentum: float = Field(0.0, ge=0, lt=1, description="sgd only: heavy-ball momentum.")
     lr: float = Field(3.0e-4, gt=0, le=10.0)
     weight_decay: float = Field(0.1, ge=0, le=10.0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[Beta, Beta] = Field((0.9, 0.95), description="AdamW's (beta1, beta2), each in [0, 1).")
     warmup_steps: int = Field(10, ge=0, le=MAX_STEPS)
     schedule: Literal["cosine", "constant", "linear"] = "cosine"
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    grad_clip: float | None = Field(1.0, gt=0, description="Max global grad norm; null disables clipping.")
+    grad_clip: float | None = Field(1.0, gt=0, le=1e6, description="Max global grad norm; null disables clipping.")
     lr_anchor_step: int | None = Field(
         None,
         ge=0,

@@ -22,9 +22,21 @@ import yaml
 if TYPE_CHECKING:
     from api.spec.run import RunSpec
 
-__all__ = ["YAMLError", "Yaml12SafeLoader", "load_yaml", "parse_run_spec"]
+__all__ = ["YAMLError", "YamlLimitError", "Yaml12SafeLoader", "check_yaml_limits", "load_yaml", "parse_run_spec"]
 
 YAMLError = yaml.YAMLError
+
+# Limits that hold before the document is built: libyaml's composer recurses in C without a bound (30,000 nested
+# '[' overflow the C stack and kill the process), so the event stream (a flat, non-recursive scan) is checked first
+MAX_YAML_BYTES = 4 * 1024 * 1024
+MAX_YAML_DEPTH = 64
+MAX_YAML_NODES = 20_000
+MAX_MAPPING_KEYS = 1_000
+
+
+class YamlLimitError(yaml.YAMLError, ValueError):
+    """A YAML document over a size, depth, node-count or key-count limit (raised before it is built)."""
+
 
 # YAML 1.2 core-schema floats that YAML 1.1 leaves as strings: an exponent without a dot ("3e-4", "1E+3", "-2e5")
 # and a dot with an exponent but no fraction digits ("1.e3" is already a 1.1 float). Plain integers and the
@@ -41,9 +53,47 @@ class Yaml12SafeLoader(_SafeBase):
 Yaml12SafeLoader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_EXPONENT_FLOAT, list("-+0123456789."))
 
 
+def check_yaml_limits(
+    text: str | bytes,
+    *,
+    max_bytes: int = MAX_YAML_BYTES,
+    max_depth: int = MAX_YAML_DEPTH,
+    max_nodes: int = MAX_YAML_NODES,
+    max_keys: int = MAX_MAPPING_KEYS,
+) -> None:
+    """Raise ``YamlLimitError`` if the document is larger, deeper, has more nodes (scalars, collections, aliases)
+    or a mapping with more keys than allowed. Reads only the event stream (no recursion, stops at the first
+    excess), so it is safe on any input."""
+    size = len(text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text)
+    if size > max_bytes:
+        raise YamlLimitError(f"YAML document of {size} bytes is over the limit of {max_bytes} bytes")
+    children: list[list[Any]] = []  # per open collection: [is_mapping, child count]
+    nodes = 0
+    for event in yaml.parse(text, Loader=_SafeBase):
+        if isinstance(event, yaml.CollectionEndEvent):
+            children.pop()
+            continue
+        if not isinstance(event, yaml.NodeEvent):
+            continue
+        nodes += 1
+        if nodes > max_nodes:
+            raise YamlLimitError(f"YAML document has more than {max_nodes} values; send a smaller document")
+        if children:
+            top = children[-1]
+            top[1] += 1
+            if top[0] and top[1] > 2 * max_keys:
+                raise YamlLimitError(f"a YAML mapping has more than {max_keys} keys; send a smaller document")
+        if isinstance(event, yaml.CollectionStartEvent):
+            children.append([isinstance(event, yaml.MappingStartEvent), 0])
+            if len(children) > max_depth:
+                raise YamlLimitError(f"YAML document is nested deeper than {max_depth} levels")
+
+
 def load_yaml(text: str | bytes) -> Any:
-    """Parse one YAML document into plain data (dict/list/str/int/float/bool/None/date). Raises
-    ``yaml.YAMLError`` (also exported as ``api.spec.yamlio.YAMLError``) for malformed input."""
+    """Parse one YAML document into plain data (dict/list/str/int/float/bool/None/date), after checking its
+    size, depth, node and key counts (``check_yaml_limits``). Raises ``yaml.YAMLError`` (also exported as
+    ``api.spec.yamlio.YAMLError``) for malformed or oversized input."""
+    check_yaml_limits(text)
     return yaml.load(text, Loader=Yaml12SafeLoader)
 
 

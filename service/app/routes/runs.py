@@ -27,7 +27,15 @@ from api.spec import (
     RunStatus,
     RunSummary,
 )
-from api.spec.yamlio import YAMLError, load_yaml, parse_run_spec
+from api.spec.yamlio import (
+    MAX_MAPPING_KEYS,
+    MAX_YAML_DEPTH,
+    MAX_YAML_NODES,
+    YAMLError,
+    YamlLimitError,
+    load_yaml,
+    parse_run_spec,
+)
 from service import store
 from service.app.deps import PrincipalDep, RuntimeDep, SessionDep, SettingsDep
 from service.app.errors import ApiError, error_responses
@@ -49,8 +57,10 @@ Cursor = Annotated[
     str | None,
     Query(max_length=512, description="The ``next_cursor`` of the previous page (opaque); omit for the first page."),
 ]
-MAX_BODY_NODES = 100_000
-MAX_BODY_DEPTH = 64
+MAX_BODY_NODES = MAX_YAML_NODES  # values in one request body (JSON or YAML)
+MAX_BODY_DEPTH = MAX_YAML_DEPTH
+MAX_BODY_KEYS = MAX_MAPPING_KEYS  # keys of one mapping (labels, model.args, ...)
+MAX_BODY_INT = 2**63 - 1  # what a database integer and every JSON reader hold exactly
 JSON_TYPES = ("application/json",)
 YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml")
 
@@ -159,12 +169,26 @@ def check_plain_data(obj: Any, *, max_nodes: int = MAX_BODY_NODES, max_depth: in
                 raise ApiError(
                     422, f"{where or 'value'} is not valid Unicode (lone surrogate); fix the text", param=where or None
                 ) from None
-        elif isinstance(x, bool) or x is None or isinstance(x, int):
+        elif isinstance(x, bool) or x is None:
             continue
+        elif isinstance(x, int):
+            if abs(x) > MAX_BODY_INT:
+                raise ApiError(
+                    422,
+                    f"{where or 'value'} is an integer beyond 64 bits; use a number within +-{MAX_BODY_INT}",
+                    param=where or None,
+                )
         elif isinstance(x, float):
             if not math.isfinite(x):
                 raise ApiError(422, f"{where or 'value'} must be a finite number (got {x})", param=where or None)
         elif isinstance(x, dict):
+            if len(x) > MAX_BODY_KEYS:
+                raise ApiError(
+                    422,
+                    f"{where or 'the body'} has {len(x)} keys, more than {MAX_BODY_KEYS}; send fewer",
+                    code="too_large",
+                    param=where or None,
+                )
             for k, v in x.items():
                 if not isinstance(k, str):
                     raise ApiError(
@@ -199,6 +223,8 @@ def parse_body(body: bytes, content_type: str | None) -> tuple[Any, bool]:
     elif media in YAML_TYPES:
         try:
             data = load_yaml(body)  # YAML-1.2 numbers: 3e-4 is a float, as in the SDK and the CLI
+        except YamlLimitError as e:
+            raise ApiError(422, f"request body: {e}", code="too_large") from None
         except (YAMLError, ValueError, RecursionError) as e:
             why = str(e).splitlines()[0][:200] if not isinstance(e, RecursionError) else "nested too deeply"
             raise ApiError(
