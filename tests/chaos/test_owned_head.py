@@ -14,6 +14,7 @@ be hit in the middle):
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sqlite3
@@ -59,6 +60,19 @@ def _rows_after_end(data_dir: Path, run_id: str) -> list[tuple]:
             "WHERE m.run_id = ? AND (m.time > a.finished_at OR m.time > r.finished_at)", (run_id,)).fetchall()
 
 
+def _no_database_url_in_the_job(svc: OwnedService, head: ownership.HeadRecord, job_id: str) -> None:
+    """The job's details and logs, as Ray's Jobs API serves them to anyone with dashboard access, hold the path of
+    the driver's credential file, never the database URL."""
+    token = (svc.ray_dir / "auth_token").read_text().strip()
+    base = f"http://127.0.0.1:{head.dashboard_port}/api/jobs/{job_id}"
+    auth = {"Authorization": f"Bearer {token}"}
+    info = httpx.get(base, headers=auth, timeout=30).json()
+    logs = httpx.get(f"{base}/logs", headers=auth, timeout=30).json()["logs"]
+    env = info["runtime_env"]["env_vars"]
+    assert "MESHRUN_DATABASE_URL" not in env and env["MESHRUN_DATABASE_URL_FILE"].startswith(str(svc.data_dir))
+    assert "sqlite:" not in json.dumps(info) and "sqlite:" not in logs
+
+
 def _every_step_once(url: str, run_id: str) -> None:
     assert [r["step"] for r in metrics(url, run_id)] == list(range(1, STEPS + 1))
 
@@ -89,6 +103,7 @@ def test_service_and_head_crashes_leave_one_head_and_finish_every_run(owned_serv
     _every_step_once(svc.url, a["id"])
     assert done["summary"]["steps_done"] == STEPS
     assert _rows_after_end(svc.data_dir, a["id"]) == []
+    _no_database_url_in_the_job(svc, head, done["ray_job_id"])
 
     # ---- 2. kill -9 of the head during a checkpointing run: the service stays up, reports it, restarts it
     b = submit(svc.url, chaos_spec("chaos-head-kill"))
@@ -114,7 +129,8 @@ def test_service_and_head_crashes_leave_one_head_and_finish_every_run(owned_serv
     # ---- 3. a graceful stop leaves nothing of the head behind
     svc.stop()
     assert svc.head() is None and _ray_heads_of(svc.data_dir) == []
-    assert not ownership.group_alive(new_head.pgid)
+    left = ownership.group_members(new_head.pgid)
+    assert not left, [_cmdline(Path(f"/proc/{p}"))[:300] for p in left]
     assert new_head.session_dir and not [
         p for p in Path("/proc").iterdir()
         if p.name.isdigit() and new_head.session_dir.encode() in _cmdline(p)
