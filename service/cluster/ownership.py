@@ -151,14 +151,30 @@ def is_ray_head(pid: int) -> bool:
     return "start" in args and "--head" in args and any("ray" in a for a in args)
 
 
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            out.append(int(entry.name))
+    return out
+
+
 def group_alive(pgid: int) -> bool:
+    """Whether process group ``pgid`` has a live member (zombies awaiting their reaper do not count)."""
     try:
         os.killpg(pgid, 0)
-        return True
     except ProcessLookupError:
         return False
     except PermissionError:  # pragma: no cover
         return True
+    return bool(group_members(pgid))
 
 
 def stop_recorded(rec: HeadRecord, *, timeout_s: float = 15.0) -> None:
@@ -286,6 +302,8 @@ __all__ = [
     "check_port",
     "clear_record",
     "is_ray_head",
+    "group_alive",
+    "group_members",
     "kill_process_group",
     "load_record",
     "pid_alive",

@@ -226,6 +226,8 @@ class Scheduler:
                 return False  # cancelled meanwhile
             code = (store.get_run(s, run_id=run_id).spec.get("code") or {}).get("working_dir")
         code_dir = resolve_code_dir(code, self.settings) if code else None
+        if old_job:
+            self._stop_old_job(run_id, old_job)
         try:
             self.jobs.submit(
                 entrypoint=f"{python_command()} -m service.runs.driver --run-id {run_id}",
@@ -256,6 +258,16 @@ class Scheduler:
             store.add_phase(s, run_id=run_id, phase=f"starting Ray Job {sid}", actor="scheduler")
         logger.info("run %s admitted as Ray Job %s", run_id, sid)
         return True
+
+    def _stop_old_job(self, run_id: str, old_job: str) -> None:
+        """A run never has two live drivers: the previous submission's job is stopped if it still runs (its driver
+        is fenced off the database already: the run is no longer under its job)."""
+        try:
+            if not self.jobs.state(old_job).terminal:
+                logger.warning("run %s: stopping its previous Ray Job %s before resubmitting", run_id, old_job)
+                self.jobs.stop(old_job)
+        except Exception:
+            logger.warning("run %s: could not check its previous Ray Job %s", run_id, old_job, exc_info=True)
 
     def reconcile(self) -> list[str]:
         """Fail runs whose driver is gone (or whose pinned node died). Returns their ids."""

@@ -28,6 +28,7 @@ import ray
 from api.spec import Plan, RunSpec, RunStatus
 from api.spec.validation import build_plan
 from service import store
+from service.cluster.gcs_view import gcs_port_answers
 from service.cluster.jobs import trim
 from service.cluster.placement import Placement
 from service.runs.inspect import InspectionFailed, describe, inspect_in_driver
@@ -58,6 +59,22 @@ def _inspect_user_model(life: RunLifecycle, spec: RunSpec, plan: Plan) -> Plan |
         store.add_event(s, run_id=life.run_id, kind="inspect", reason=trim(describe(info)))
     logger.info("run %s: %s", life.run_id, describe(info))
     return plan
+
+
+def head_lost(address: str | None, *, checks: int = 3) -> str | None:
+    """Why the Ray head is gone (its GCS port refuses connections ``checks`` times, a second apart), else None. A
+    driver whose ``fit()`` failed because the head died leaves the run to the service, which restarts the head and
+    resumes the run ("Ray head lost"), instead of ending it FAILED with a socket error."""
+    if not address:
+        return None
+    why = None
+    for i in range(checks):
+        why = gcs_port_answers(address)
+        if why is None:
+            return None
+        if i + 1 < checks:
+            time.sleep(1.0)
+    return why
 
 
 def _on_term(signum: int, _frame: FrameType | None) -> None:
@@ -129,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         # the service moved the run to CANCELLED before stopping the job; otherwise (stopped from the dashboard)
         outcome = Outcome(RunStatus.CANCELLED, f"Ray Job stopped ({e})")
     if error is not None:
-        outcome = life.failed(error)  # after the channel's last drain: the workers' errors are recorded
+        lost = head_lost(os.environ.get(GCS_ADDRESS_ENV))
+        # after the channel's last drain: the workers' errors are recorded
+        outcome = Outcome(None, f"Ray head lost: {lost}") if lost else life.failed(error)
     elif outcome.status == RunStatus.SUCCEEDED:
         notice = preemption_reason(life.recorder.summary, total_steps=spec.train.steps)
         if notice is not None and life.requeue(notice):
