@@ -61,7 +61,7 @@ class ParameterServer:
         self.opt: torch.optim.Optimizer = (
             torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum)
             if o.name == "sgd"
-            else torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=1e-8)
+            else torch.optim.AdamW(groups, lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=1e-8)
         )
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt,
@@ -155,7 +155,7 @@ class ParameterServer:
     @torch.no_grad()
     def _apply(self, step: int, got: dict[int, tuple[torch.Tensor, int, dict[str, float]]]) -> None:
         n = len(got)
-        mean = sum(g for g, _, _ in got.values()) / n
+        mean = torch.stack([g for g, _, _ in got.values()]).sum(0) / n
         off = 0
         for p in self.params:
             k = p.numel()
