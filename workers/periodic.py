@@ -14,6 +14,8 @@ Every ``sync_every_steps`` (H) steps, and after the last step, ``PeriodicAverage
 4. the outer optimizer steps the anchor with the mean delta as its gradient (DiLoCo: Nesterov, lr 0.7,
    momentum 0.9; local SGD: SGD lr 1 momentum 0 = plain averaging), and the anchor is copied into the model.
 
+A divergence that grew at ``GROWING_SYNCS`` syncs in a row puts a ``sync_alert`` into the row (a run event).
+
 The inner optimizer's state (AdamW moments) stays per replica, as in DiLoCo. With an inner SGD, H = 1 and an
 outer SGD with lr 1 and no momentum this is exactly synchronous data parallelism (mean of the replicas' SGD steps
 = the SGD step of the mean gradient); with AdamW it is not (Adam is not linear in the gradient).
@@ -31,10 +33,13 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from api.spec import RunSpec
+from api.spec.metrics import SYNC_ALERT
 from workers.metrics import CROSS_GROUP
 from workers.parallel_dims import ParallelDims
 
 log = logging.getLogger(__name__)
+
+GROWING_SYNCS = 3  # a divergence that grew at this many syncs in a row raises a run event (sync_alert)
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -98,4 +103,11 @@ class PeriodicAverager:
         self.outer.zero_grad(set_to_none=True)
         for p, a in zip(self.params, self.anchor):
             p.copy_(a)
-        return {"replica_divergence": divergence}
+        out: dict[str, Any] = {"replica_divergence": divergence}
+        last = self.divergences[-(GROWING_SYNCS + 1) :]
+        if len(last) == GROWING_SYNCS + 1 and all(a < b for a, b in zip(last, last[1:])):
+            out[SYNC_ALERT] = (
+                f"replica divergence grew at {GROWING_SYNCS} syncs in a row ({last[0]:.3g} -> {last[-1]:.3g}): "
+                "lower layout.sync_every_steps or the learning rate"
+            )
+        return out

@@ -32,6 +32,7 @@ import ray
 import torch
 
 from api.spec import RunSpec
+from api.spec.metrics import SYNC_ALERT
 from workers.optim import lr_factor
 
 
@@ -60,7 +61,7 @@ class ParameterServer:
         self.opt: torch.optim.Optimizer = (
             torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum)
             if o.name == "sgd"
-            else torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=1e-8)
+            else torch.optim.AdamW(groups, lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=1e-8)
         )
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt,
@@ -81,6 +82,7 @@ class ParameterServer:
         self.rows: list[dict[str, Any]] = []
         self.last_update_time = time.time()
         self.max_staleness_seen = 0
+        self.alerted = False
 
     # ------------------------------------------------------------------------------------------- protocol
     async def pull(self, min_version: int) -> tuple[int, torch.Tensor]:
@@ -153,7 +155,7 @@ class ParameterServer:
     @torch.no_grad()
     def _apply(self, step: int, got: dict[int, tuple[torch.Tensor, int, dict[str, float]]]) -> None:
         n = len(got)
-        mean = sum(g for g, _, _ in got.values()) / n
+        mean = torch.stack([g for g, _, _ in got.values()]).sum(0) / n
         off = 0
         for p in self.params:
             k = p.numel()
@@ -195,3 +197,10 @@ class ParameterServer:
         )
         if not math.isfinite(loss):
             self.rows[-1]["loss"] = None
+        bound = self.spec.layout.max_staleness
+        if bound and max(stale) >= bound and not self.alerted:
+            self.alerted = True  # once per run: the event says the bound is active, the rows say how often
+            self.rows[-1][SYNC_ALERT] = (
+                f"a gradient of staleness {max(stale)} reached max_staleness {bound}: the fastest worker waits for "
+                "the slowest (a straggler, or a slow link); rows carry staleness_max per update"
+            )

@@ -101,6 +101,9 @@ class MeasuredStepTime(_Public):
 # A worker-row key that is not a column: the peak memory of every rank (a list indexed by rank). The run driver
 # keeps the maximum per rank for the run's summary (``RunSummary.peak_memory_bytes_per_rank``).
 PEAK_MEMORY_PER_RANK = "peak_memory_bytes_per_rank"
+# A worker-row key that is not a column: a text the run driver turns into a run event (``kind: sync_alert``): an
+# async_ps worker held back by ``max_staleness``, local SGD / DiLoCo replicas diverging more at every sync.
+SYNC_ALERT = "sync_alert"
 
 
 def _field(description: str, *, unit: str, gauge: str | None = None, column: bool = True) -> Any:

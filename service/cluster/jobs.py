@@ -94,6 +94,10 @@ class RunChannel:
         self.worker_errors.append(text)
         self.events.append({"type": "worker_error", "attempt": self.attempt, "text": text})
 
+    def event(self, kind: str, reason: str) -> None:
+        """A run event from the workers' side (an async_ps worker lost and replaced, ...)."""
+        self.events.append({"type": "event", "attempt": self.attempt, "kind": kind, "reason": reason})
+
     def done(self, summary: dict[str, Any]) -> None:
         self.events.append({"type": "done", "attempt": self.attempt, "summary": summary})
 

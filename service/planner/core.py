@@ -68,6 +68,10 @@ class Lay(NamedTuple):
     pp_virtual_stages: int
     grad_compression: str = "none"
     cpu_offload: bool = False
+    sync: str = "sync"
+    ps_shards: int = 1
+    max_staleness: int = 4
+    sync_every_steps: int = 8
 
     @classmethod
     def of(cls, layout: Layout) -> Lay:
@@ -82,6 +86,10 @@ class Lay(NamedTuple):
             layout.pp_virtual_stages,
             layout.grad_compression,
             layout.cpu_offload,
+            layout.sync,
+            layout.ps_shards,
+            layout.max_staleness,
+            layout.sync_every_steps,
         )
 
     def layout(self) -> Layout:
@@ -324,7 +332,11 @@ def step_time(c: Ctx, lay: Lay, mb: int, recompute: str) -> Time:
     bubble *= fac.bubble_scale
 
     dp_exposed = dp_total = 0.0
-    if dp > 1 and lay.zero_stage <= 1:  # buckets hide under the busiest rank's last backward pass
+    if dp > 1 and lay.sync in ("local_sgd", "diloco"):
+        dp_exposed, dp_total = _periodic(c, lay, m, lf, lb, layers[b], bwd[b])
+    elif dp > 1 and lay.sync == "async_ps":
+        dp_exposed, dp_total = _ps(c, lay, compute + tp_comm + pp_comm + bubble)
+    elif dp > 1 and lay.zero_stage <= 1:  # buckets hide under the busiest rank's last backward pass
         dp_exposed, dp_total = _ddp(c, lay, bwd[b])
     elif dp > 1:
         dp_exposed, dp_total = _fsdp(c, lay, m, lf, lb, layers[b], bwd[b])
@@ -408,6 +420,64 @@ def _fsdp(c: Ctx, lay: Lay, m: int, lf: float, lb: float, layers: int, last_back
     return exposed, total
 
 
+def _periodic(
+    c: Ctx, lay: Lay, m: int, lf: float, lb: float, layers: int, last_backward_s: float
+) -> tuple[float, float]:
+    """local_sgd / diloco, (exposed, total) seconds per step: FSDP inside each replica (zero 2/3), and one
+    all-reduce of the fp32 parameter deltas across the replicas every ``sync_every_steps`` (H) steps, blocking
+    (nothing to hide it under), so 1/H of it per step."""
+    ns = lay.shard_group_size or lay.dp if lay.zero_stage >= 2 else 1
+    exposed = total = 0.0
+    if ns > 1:
+        exposed, total = _fsdp(c, lay._replace(dp=ns, shard_group_size=ns), m, lf, lb, layers, last_backward_s)
+    replicas = lay.dp // ns
+    avg = comm.all_reduce(_stage_params(c, lay) * 4 / ns, replicas, _dp_link(c, replicas, lay.tp * ns))
+    avg /= lay.sync_every_steps
+    return exposed + avg, total + avg
+
+
+def _ps(c: Ctx, lay: Lay, busy_s: float) -> tuple[float, float]:
+    """async_ps, (exposed, total) seconds per step: every worker pushes its fp32 gradients and pulls the fp32
+    parameters over the network tier (the servers are other processes, on other nodes in general); the
+    ``ps_shards`` servers take all ``dp`` workers' traffic. With ``max_staleness >= 1`` the transfers of one step
+    overlap the next step's compute; with 0 every step waits for them."""
+    dev, fac = c.dev, c.fac
+    nbytes = _stage_params(c, lay) * 4
+    bw = dev.inter_node_bandwidth_bytes_per_s * fac.dp_bandwidth_efficiency
+    worker = 2 * nbytes / bw
+    server = lay.dp * 2 * nbytes / lay.ps_shards / bw
+    total = max(worker, server) + 2 * (dev.inter_node_latency_s * fac.dp_latency_scale + dev.collective_base_s)
+    exposed = total if lay.max_staleness == 0 else max(0.0, total - busy_s)
+    return exposed, total
+
+
+PAYOFF = 1.15  # an alternative mode is named when it is predicted at least this much faster
+
+
+def sync_advice(c: Ctx, lay: Lay, mb: int, recompute: str, tm: Time) -> str:
+    """When the data-parallel traffic of a synchronous layout is a large share of its step, the modes that cut it
+    (diloco at H = 8, async_ps with one server per 4 workers), predicted on the same layout, if they pay off."""
+    if lay.sync != "sync" or lay.dp < 2 or tm.dp_comm < 0.2 * tm.total or lay.pp > 1:
+        return ""
+    out = []
+    for name, alt in (
+        ("diloco (sync_every_steps 8)", lay._replace(sync="diloco", sync_every_steps=8, zero_stage=0)),
+        ("async_ps (max_staleness 4)", lay._replace(sync="async_ps", ps_shards=max(1, lay.dp // 4), zero_stage=0)),
+    ):
+        if name.startswith("async_ps") and lay.tp > 1:
+            continue
+        alt_t = step_time(c, alt._replace(shard_group_size=None), mb, recompute).total
+        if alt_t * PAYOFF < tm.total:
+            out.append(f"{name} {tm.total / alt_t:.1f}x faster")
+    if not out:
+        return ""
+    return (
+        f"; data-parallel communication is {tm.dp_comm / tm.total:.0%} of the step: layout.sync "
+        + ", ".join(out)
+        + " (fewer or overlapped cross-group transfers; convergence per step differs)"
+    )
+
+
 # ---------------------------------------------------------------------------------------------- answers
 def rates(c: Ctx, tm: Time) -> tuple[float, float]:
     """(tokens/s, MFU) of a step time."""
@@ -445,7 +515,11 @@ def candidate(
     feasible = mem.total <= c.dev.memory_bytes
     tps, mfu = rates(c, tm) if tm is not None else (0.0, 0.0)
     if reason is None:
-        reason = oom_reason(c, mem, recompute) if not feasible else (fit_reason(c, mem, tm) if tm else "")
+        reason = (
+            oom_reason(c, mem, recompute)
+            if not feasible
+            else (fit_reason(c, mem, tm) + sync_advice(c, lay, mb, recompute, tm) if tm else "")
+        )
     return Candidate(
         layout=lay.layout(),
         micro_batch_size=mb,

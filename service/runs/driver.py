@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 from types import FrameType
+from typing import Any
 
 import ray
 
@@ -37,6 +38,7 @@ from service.runs.preemption import preemption_reason
 from service.runs.trainer import build_trainer, placing_phase, train_run_name
 from service.settings import Settings
 from service.store.db import make_engine, make_sessionmaker, session_scope
+from workers.async_ps import run_async_ps
 
 logger = logging.getLogger("meshrun.driver")
 
@@ -79,6 +81,23 @@ def head_lost(address: str | None, *, checks: int = 3) -> str | None:
 
 def _on_term(signum: int, _frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _run_async_ps(spec: RunSpec, plan: Plan, channel: Any) -> None:
+    """layout.sync async_ps: parameter servers and workers as Ray actors (``workers.async_ps``), no TorchTrainer.
+    Rows go to the run's channel as they come; a lost worker is a run event, not a failed attempt."""
+    attempt = ray.get(channel.begin_attempt.remote({"cause": "start (async_ps: parameter servers)", "ranks": []}))
+
+    def sink(row: dict[str, Any]) -> None:
+        channel.metrics.remote(attempt, [row])
+
+    def lost(worker: int, reason: str) -> None:
+        channel.event.remote("worker_lost", f"{reason}; the run goes on, a replacement rejoins from the servers")
+
+    summary = run_async_ps(spec, plan, sink=sink, on_worker_lost=lost)
+    for key in ("final_params", "split"):
+        summary.pop(key, None)
+    ray.get(channel.done.remote(summary))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,19 +144,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with life.channel(first_attempt=first_attempt) as channel:
             try:
-                life.phase(placing_phase(plan))
-                trainer = build_trainer(
-                    run_id=run_id,
-                    run_name=run_name,
-                    resume_from=resume_from,
-                    spec=spec,
-                    plan=plan,
-                    placement=placement,
-                    channel=channel,
-                    settings=settings,
-                    train_run_name=name,
-                )
-                trainer.fit()
+                if spec.layout.sync == "async_ps":
+                    _run_async_ps(spec, plan, channel)
+                else:
+                    life.phase(placing_phase(plan))
+                    build_trainer(
+                        run_id=run_id,
+                        run_name=run_name,
+                        resume_from=resume_from,
+                        spec=spec,
+                        plan=plan,
+                        placement=placement,
+                        channel=channel,
+                        settings=settings,
+                        train_run_name=name,
+                    ).fit()
                 outcome = Outcome.succeeded()
             except Exception as e:
                 logger.exception("training failed")

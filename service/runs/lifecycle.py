@@ -38,7 +38,7 @@ from ray.train import ControllerError, WorkerGroupError
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.spec import RunStatus
-from api.spec.metrics import PEAK_MEMORY_PER_RANK
+from api.spec.metrics import PEAK_MEMORY_PER_RANK, SYNC_ALERT
 from service import store
 from service.cluster.jobs import format_worker_exceptions, open_channel, trim
 from service.runs.watch import HangWatch, StragglerWatch
@@ -111,6 +111,8 @@ class Recorder:
                         kind="worker_error",
                         reason=trim(f"attempt {ev['attempt']} failed: {ev['text']}"),
                     )
+                elif kind == "event":
+                    store.add_event(s, run_id=self.run_id, kind=str(ev["kind"]), reason=trim(str(ev["reason"])))
                 elif kind == "done":
                     self.summary = ev.get("summary") or {}
 
@@ -157,6 +159,9 @@ class Recorder:
             r = dict(r)
             for i, v in enumerate(r.pop(PEAK_MEMORY_PER_RANK, None) or ()):
                 self.peak_per_rank[str(i)] = max(self.peak_per_rank.get(str(i), 0), int(v))
+            alert = r.pop(SYNC_ALERT, None)  # layout.sync: staleness at its bound, replicas diverging
+            if alert:
+                store.add_event(s, run_id=self.run_id, kind="sync_alert", reason=trim(f"step {r['step']}: {alert}"))
             rows.append(r)
             self._watch(s, r)
         store.add_metrics(s, run_id=self.run_id, attempt=ev["attempt"], rows=rows)

@@ -4,8 +4,7 @@
   fp32 tolerance (AdamW, global-norm clipping on the server);
 - ``max_staleness: 4`` with one worker slowed down: the loss falls, the fast worker really runs ahead (some
   gradient is stale) and no recorded staleness exceeds 4;
-- a worker killed mid-run (``faults.kill_rank``): the run goes on without it, a replacement rejoins from the
-  servers' parameters, and every step is applied.
+(a worker killed mid-run, through the service: ``tests/ray/test_async_ps_rest.py``).
 """
 
 from __future__ import annotations
@@ -64,24 +63,8 @@ def test_bound_four_learns_and_staleness_never_exceeds_it(ray_session) -> None:
         faults={"slow_rank": {"rank": 1, "delay_s": 0.3}},
     )
     out, rows = _run(spec)
-    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert [r["step"] for r in rows] == list(range(1, 11))
     assert out["losses"][-1] < out["losses"][0]
     stale = [r["staleness_max"] for r in rows]
     assert max(stale) <= 4 and out["max_staleness"] <= 4
     assert max(stale) > 0  # the fast worker ran ahead of the slow one
-
-
-def test_a_killed_worker_does_not_stop_the_run(ray_session) -> None:
-    spec = tiny_spec(
-        dp=2,
-        steps=10,
-        layout={"sync": "async_ps", "max_staleness": 2},
-        faults={"kill_rank": {"rank": 1, "at_step": 3}},
-        resources={"max_failures": 1},
-    )
-    out, rows = _run(spec)
-    assert out["workers_lost"] == [1] and out["workers_restarted"] == 1
-    assert out["steps_done"] == 10 and [r["step"] for r in rows] == list(range(1, 11))
-    assert min(r["workers_in_update"] for r in rows) == 1  # some updates went on without it
-    assert rows[-1]["workers_in_update"] == 2  # and it came back
-    assert out["losses"][-1] < out["losses"][0]

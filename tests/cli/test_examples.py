@@ -24,6 +24,7 @@ def test_there_is_an_example_per_strategy():
     assert {l.pp_schedule for l in layouts if l.pp > 1} >= {"gpipe", "1f1b", "interleaved_1f1b"}
     assert any(l.dp > 1 and l.tp > 1 and l.pp > 1 for l in layouts)  # 3-D
     assert any(RunSpec.model_validate(yaml.safe_load(p.read_text())).data.source == "text" for p in RUN_SPECS)
+    assert {l.sync for l in layouts} >= {"sync", "async_ps", "local_sgd", "diloco"}
 
 
 @pytest.mark.parametrize("path", RUN_SPECS, ids=lambda p: p.name)

@@ -27,6 +27,7 @@ from api.spec import (
     RunStatus,
     RunSummary,
 )
+from api.spec.metrics import METRIC_ROW_FIELDS
 from api.spec.yamlio import (
     MAX_MAPPING_KEYS,
     MAX_YAML_DEPTH,
@@ -126,8 +127,19 @@ def run_public(
     )
 
 
+_EXTRA_FIELDS = tuple(n for n, f in METRIC_ROW_FIELDS.items() if not f.column)
+
+
 def _metric_row(m: Metric) -> MetricRow:
-    row = MetricRow.model_validate(m)
+    """A stored row; the declared fields kept in the row's ``extra`` JSON (breakdowns, the sync modes' staleness,
+    divergence and cross-group bytes) are served too."""
+    extra = m.extra or {}
+    if any(n in extra for n in _EXTRA_FIELDS):
+        data = {n: getattr(m, n) for n in MetricRow.model_fields if hasattr(m, n)}
+        data.update({n: extra[n] for n in _EXTRA_FIELDS if n in extra})
+        row = MetricRow.model_validate(data)
+    else:
+        row = MetricRow.model_validate(m)
     return row.model_copy(update={"time": _utc(m.time)})
 
 
