@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -32,6 +32,8 @@ from service.cluster.head import NodeView
 from service.cluster.jobs import JobsBackend, submission_id, submission_number, trim
 from service.cluster.placement import NodeCapacity, Placement, add_reservations, reservation
 from service.control.admission import Candidate, Decision, decide
+from service.control.priorities import Holding, choose_victims, quota_waits
+from service.runs.preemption import PREEMPT_REQUEST
 from service.security.policy import resolve_code_dir
 from service.settings import Settings
 from service.store.db import session_scope
@@ -70,6 +72,7 @@ class Scheduler:
         self.cluster = cluster
         self.jobs = jobs
         self.pending: dict[str, _Pending] = {}
+        self.preempting: dict[str, str] = {}  # run asked to yield -> the run it yields to
         self.last_error: str | None = None
 
     # ------------------------------------------------------------------------------------------- helpers
@@ -125,16 +128,57 @@ class Scheduler:
         return add_reservations(*(reservation(p.placement) for p in self.pending.values()))
 
     def admit(self) -> list[str]:
-        """One admission pass: observe (queue, nodes, reservations), decide (``admission.decide``, pure), act.
-        Returns the admitted run ids."""
+        """One admission pass: observe (queue, nodes, reservations, runs holding workers), decide (project quotas,
+        ``admission.decide``, preemption: all pure), act. Returns the admitted run ids."""
         with session_scope(self.factory) as s:
             queued = store.queued_runs(s)
             queue = [Candidate(id=r.id, plan=r.plan, priority=r.priority or 0, queued_at=r.created_at) for r in queued]
             runs = {r.id: (r.name, r.project, r.ray_job_id, r.attempts or 0) for r in queued}
+            holding = [
+                Holding(r.id, r.project, r.priority or 0, r.plan, dict(r.rank_nodes or {}), r.started_at)
+                for r in store.active_runs(s)
+            ]
         if not queue:
             return []
-        decisions = decide(queue, self.capacities(), self._reserved()).decisions
+        over = quota_waits(queue, {k: v[1] for k, v in runs.items()}, holding, self.settings.project_max_workers)
+        for run_id, reason in over.items():
+            with session_scope(self.factory) as s:
+                store.set_reason(s, run_id=run_id, reason=reason)
+        queue = [c for c in queue if c.id not in over]
+        nodes, reserved = self.capacities(), self._reserved()
+        decisions = decide(queue, nodes, reserved).decisions
+        head = next((d for d in decisions if d.action == "wait" and d.placement is not None), None)
+        if head is not None and self.settings.preemption != "off":
+            why = self._preempt_for(head, runs[head.candidate.id][1], nodes, reserved, holding)
+            decisions = [replace(d, reason=why) if d is head and why else d for d in decisions]
         return [d.candidate.id for d in decisions if self._act(d, *runs[d.candidate.id])]
+
+    def _preempt_for(
+        self,
+        head: Decision,
+        project: str,
+        nodes: list[NodeCapacity],
+        reserved: dict[str, dict[str, float]],
+        holding: list[Holding],
+    ) -> str | None:
+        """Ask the lower-priority runs that make room for ``head`` to checkpoint and yield (their drivers read the
+        ``preempt_request`` event, see ``service.runs.preemption``); ``head`` waits with that reason."""
+        active = {h.id for h in holding}
+        self.preempting = {k: v for k, v in self.preempting.items() if k in active}
+        victims = choose_victims(head.candidate, project, nodes, reserved, holding, self.settings.preemption)
+        if not victims:
+            return None
+        c = head.candidate
+        with session_scope(self.factory) as s:
+            for v in victims:
+                if v.id in self.preempting:
+                    continue
+                self.preempting[v.id] = c.id
+                why = f"preempted by run {c.id} (priority {c.priority} > {v.priority}); it resumes from a checkpoint"
+                store.add_event(s, run_id=v.id, kind=PREEMPT_REQUEST, reason=why, actor="scheduler")
+                logger.info("run %s: %s", v.id, why)
+        ids = ", ".join(v.id for v in victims)
+        return f"{head.reason}; preempting lower-priority {ids} (they checkpoint first)"
 
     def _act(self, d: Decision, name: str, project: str, old_job: str | None, attempts: int) -> bool:
         """Carry out one decision; True when the run was admitted (submitted as its Ray Job)."""
