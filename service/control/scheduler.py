@@ -25,13 +25,14 @@ from typing import Any, Protocol
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.spec import RunStatus
+from api.spec import Plan, RunSpec, RunStatus
 from service import store
 from service.cluster.env import job_runtime_env
 from service.cluster.head import NodeView
 from service.cluster.jobs import JobsBackend, submission_id, submission_number, trim
 from service.cluster.placement import NodeCapacity, Placement, add_reservations, reservation
 from service.control.admission import Candidate, Decision, decide
+from service.control.elastic import Replan, replan
 from service.control.priorities import Holding, choose_victims, quota_waits
 from service.runs.preemption import PREEMPT_REQUEST
 from service.security.policy import resolve_code_dir
@@ -73,6 +74,7 @@ class Scheduler:
         self.jobs = jobs
         self.pending: dict[str, _Pending] = {}
         self.preempting: dict[str, str] = {}  # run asked to yield -> the run it yields to
+        self.replanning: dict[str, Replan] = {}  # elastic runs being stopped, to re-queue in their new layout
         self.last_error: str | None = None
 
     # ------------------------------------------------------------------------------------------- helpers
@@ -266,12 +268,17 @@ class Scheduler:
 
     def reconcile(self) -> list[str]:
         """Fail runs whose driver is gone (or whose pinned node died). Returns their ids."""
+        self._requeue_replanned()
         with session_scope(self.factory) as s:
             active = [(r.id, r.status, r.ray_job_id, dict(r.rank_nodes or {})) for r in store.active_runs(s)]
         lost: list[str] = []
         dead: set[str] | None = None
         for run_id, status, job_id, rank_nodes in active:
             stop_after: str | None = None
+            if run_id in self.replanning:  # being stopped for an elastic re-plan
+                if job_id and self.jobs.state(job_id).status not in ("PENDING", "RUNNING"):
+                    self._fail_lost(run_id, "stopped for an elastic re-plan")  # its driver did not end it
+                continue
             if not job_id:
                 if run_id in self.pending:
                     continue
@@ -288,7 +295,9 @@ class Scheduler:
                     if dead is None:
                         dead = {n.node_id for n in self.cluster.nodes() if not n.alive}
                     gone = sorted({n for n in rank_nodes.values() if n in dead})
-                    if not gone:
+                    if not gone or run_id in self.replanning:
+                        continue
+                    if self._replan(run_id, job_id, gone):
                         continue
                     # Workers are pinned to their nodes: Ray Train would wait forever to restart them there.
                     reason = (
@@ -307,6 +316,54 @@ class Scheduler:
             lost.append(run_id)
             logger.warning("run %s: %s", run_id, reason)
         return lost
+
+    def _replan(self, run_id: str, job_id: str, gone: list[str]) -> bool:
+        """A run with ``spec.elastic`` lost nodes: re-plan it for the alive nodes (``service.control.elastic``), stop
+        its job, and re-queue it once its driver ended (``_requeue_replanned``). False: not elastic or nothing fits."""
+        with session_scope(self.factory) as s:
+            run = store.get_run(s, run_id=run_id)
+            spec, plan = RunSpec.model_validate(run.spec), Plan.model_validate(run.plan) if run.plan else None
+        if spec.elastic is None or plan is None:
+            return False
+        alive = self.capacities()
+        why = f"node lost: {', '.join(g[:12] for g in gone)} of this run's workers died"
+        new = replan(spec, plan, alive, why=why)
+        if new is None:
+            return False
+        self.replanning[run_id] = new
+        with session_scope(self.factory) as s:
+            store.add_event(s, run_id=run_id, kind="elastic", reason=new.reason, actor="scheduler")
+        logger.warning("run %s: %s", run_id, new.reason)
+        try:
+            self.jobs.stop(job_id)
+        except Exception:
+            logger.exception("stopping Ray Job %s failed", job_id)
+        return True
+
+    def _requeue_replanned(self) -> None:
+        """Re-queue the re-planned runs whose driver has ended (stopped: CANCELLED or FAILED by now)."""
+        for run_id, new in list(self.replanning.items()):
+            with session_scope(self.factory) as s:
+                run = store.get_run(s, run_id=run_id)
+                status = RunStatus(run.status)
+                if status in (RunStatus.RUNNING, RunStatus.STARTING):
+                    continue  # its driver has not ended yet
+                self.replanning.pop(run_id, None)
+                if status not in (RunStatus.FAILED, RunStatus.CANCELLED):
+                    continue
+                ck = store.latest_checkpoint(s, run_id=run_id)
+                store.transition(
+                    s,
+                    run_id=run_id,
+                    to=RunStatus.QUEUED,
+                    reason=trim(new.reason, 1000),
+                    actor="scheduler",
+                    allow_from=[RunStatus.FAILED, RunStatus.CANCELLED],
+                    spec=new.spec.model_dump(mode="json"),
+                    plan=new.plan.model_dump(mode="json"),
+                    resume_from=ck.path if ck is not None else run.resume_from,
+                    summary=None,
+                )
 
     def _fail_lost(self, run_id: str, reason: str) -> bool:
         """FAILED with ``reason`` (its attempt too, its summary from the stored metrics), unless the driver ended
