@@ -52,6 +52,15 @@ class Settings(BaseSettings):
         None, description="Default checkpoint storage (default <data_dir>/checkpoints)."
     )
     scheduler_interval_s: float = Field(1.0, gt=0, le=60)
+    preemption: Literal["off", "project", "any"] = Field(
+        "off",
+        description="A higher-priority run that cannot be placed preempts lower-priority runs (they checkpoint, go "
+        "PREEMPTED then QUEUED and resume later): off; project = only runs of its own project; any.",
+    )
+    project_max_workers: dict[str, int] = Field(
+        default_factory=dict,
+        description='Per-project quota of workers at once, JSON: {"team-a": 8, "*": 16} ("*": every other project).',
+    )
     max_request_bytes: int = Field(1_048_576, ge=1024)
     rate_limit_per_minute: int = Field(1200, ge=0, description="Requests per token per minute; 0 disables.")
     allowed_path_roots: list[Path] = Field(

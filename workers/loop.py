@@ -53,7 +53,7 @@ from workers.parallel_dims import ParallelDims
 from workers.parallelize import clip_grad_norm_, grad_sync, parallelize_model
 from workers.periodic import PeriodicAverager
 from workers.pipeline import build_pipeline
-from workers.preemption import NOTICE, STOP_VOTE
+from workers.preemption import NOTICE, PREEMPT_VOTE, STOP_VOTE
 from workers.profiling import Profiler
 from workers.reporting import Reporter
 from workers.timeline import make_clock
@@ -267,6 +267,7 @@ def _train(
             profiler.schedule(spec.profile.start_step, spec.profile.steps)
 
         last_ckpt, t_start = None, time.time()
+        preempt_cause: str | None = None  # the service's reason to preempt (rank 0 polls it)
         for m in model_parts:
             m.train()
         CROSS_GROUP.reload()
@@ -334,8 +335,9 @@ def _train(
 
             if reporter.due(step, force=ckpt_due):
                 state.set_phase("report")
-                want_stop, profile_vote = _poll(stop, control)
-                stop_vote = max(STOP_VOTE if want_stop else 0, NOTICE.vote())
+                want_stop, profile_vote, asked = _poll(stop, control)
+                preempt_cause = preempt_cause or asked
+                stop_vote = max(STOP_VOTE if want_stop else 0, NOTICE.vote(), PREEMPT_VOTE if asked else 0)
                 with tracker.paused():
                     reporter.report(stop_vote=stop_vote, profile_vote=profile_vote)
                 if reporter.profile_request:
@@ -383,19 +385,24 @@ def _train(
         "preempted": bool(reporter.preempted_ranks),
         "preempted_ranks": list(reporter.preempted_ranks),
         "preempted_at_step": summary["steps_done"] if reporter.preempted_ranks else None,
+        "preempt_cause": preempt_cause,
         "last_checkpoint": last_ckpt,
         "profiles": profiler.written if profiler is not None else [],
     }
 
 
-def _poll(stop: Callable[[], bool] | None, control: Callable[[], dict[str, Any] | None] | None) -> tuple[bool, int]:
+def _poll(
+    stop: Callable[[], bool] | None, control: Callable[[], dict[str, Any] | None] | None
+) -> tuple[bool, int, str | None]:
+    """(stop, profile steps, preemption reason) asked of this rank."""
     want_stop = bool(stop()) if stop is not None else False
-    profile_steps = 0
+    profile_steps, preempt = 0, None
     if control is not None:
         c = control() or {}
         want_stop = want_stop or bool(c.get("stop"))
         profile_steps = int(c.get("profile_steps") or 0)
-    return want_stop, profile_steps
+        preempt = str(c["preempt"]) if c.get("preempt") else None
+    return want_stop, profile_steps, preempt
 
 
 def _forward_backward(

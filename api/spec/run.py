@@ -260,6 +260,23 @@ class ResourcesSpec(_Spec):
     priority: int = Field(0, ge=-1000, le=1000, description="Higher runs first; FIFO within a priority.")
 
 
+class ElasticSpec(_Spec):
+    """Bounds of the data-parallel degree when the run's layout can no longer be placed (a node lost for good): the
+    service re-plans it with the largest dp in [min_dp, max_dp] that fits, keeping the global batch (more gradient
+    accumulation per rank), and resumes it from its latest checkpoint resharded into that layout."""
+
+    min_dp: int = Field(1, ge=1, le=MAX_WORLD_SIZE)
+    max_dp: int | None = Field(None, ge=1, le=MAX_WORLD_SIZE, description="Default: the layout's dp.")
+
+    @field_validator("max_dp")
+    @classmethod
+    def _bounds(cls, v: int | None, info: Any) -> int | None:
+        lo = info.data.get("min_dp", 1)
+        if v is not None and v < lo:
+            raise ValueError(f"elastic.max_dp={v} is below elastic.min_dp={lo}; use max_dp >= min_dp")
+        return v
+
+
 class RunSpec(_Spec):
     """A training run as the user asks for it."""
 
@@ -282,6 +299,7 @@ class RunSpec(_Spec):
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
     profile: ProfileSpec | None = Field(None, description="Profile a window of steps on every rank; null = off.")
     faults: FaultsSpec | None = Field(None, description="Injected faults for chaos tests; null = none.")
+    elastic: ElasticSpec | None = Field(None, description="Re-plan within dp bounds after node loss; null = off.")
     skip_memory_check: bool = Field(False, description="Submit even if the planner predicts it will not fit.")
     labels: dict[str, str] = Field(default_factory=dict)
     code: CodeSpec | None = Field(

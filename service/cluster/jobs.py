@@ -64,6 +64,7 @@ class RunChannel:
         self.worker_errors: list[str] = []
         self.last_error: str | None = None
         self.stop_requested = False
+        self.preempt_reason: str | None = None
         self.ranks: dict[int, dict[str, Any]] = {}
 
     def begin_attempt(self, info: dict[str, Any]) -> int:
@@ -115,6 +116,14 @@ class RunChannel:
 
     def request_stop(self) -> None:
         self.stop_requested = True
+
+    def request_preempt(self, reason: str) -> None:
+        """The service wants the workers back: checkpoint at the next report, then stop (the run is re-queued)."""
+        self.preempt_reason = reason
+
+    def control(self) -> dict[str, Any]:
+        """What rank 0 polls at each report: a stop, or a preemption with its reason."""
+        return {"stop": self.stop_requested, "preempt": self.preempt_reason}
 
     def should_stop(self) -> bool:
         return self.stop_requested

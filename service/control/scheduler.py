@@ -20,19 +20,22 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.spec import RunStatus
+from api.spec import Plan, RunSpec, RunStatus
 from service import store
 from service.cluster.env import job_runtime_env, python_command
 from service.cluster.head import NodeView
 from service.cluster.jobs import JobsBackend, submission_id, submission_number, trim
 from service.cluster.placement import NodeCapacity, Placement, add_reservations, reservation
 from service.control.admission import Candidate, Decision, decide
+from service.control.elastic import Replan, replan
+from service.control.priorities import Holding, choose_victims, quota_waits
+from service.runs.preemption import PREEMPT_REQUEST
 from service.security.policy import resolve_code_dir
 from service.settings import Settings
 from service.store.db import session_scope
@@ -71,6 +74,8 @@ class Scheduler:
         self.cluster = cluster
         self.jobs = jobs
         self.pending: dict[str, _Pending] = {}
+        self.preempting: dict[str, str] = {}  # run asked to yield -> the run it yields to
+        self.replanning: dict[str, Replan] = {}  # elastic runs being stopped, to re-queue in their new layout
         self.last_error: str | None = None
 
     # ------------------------------------------------------------------------------------------- helpers
@@ -126,16 +131,30 @@ class Scheduler:
         return add_reservations(*(reservation(p.placement) for p in self.pending.values()))
 
     def admit(self) -> list[str]:
-        """One admission pass: observe (queue, nodes, reservations), decide (``admission.decide``, pure), act.
-        Returns the admitted run ids."""
+        """One admission pass: observe (queue, nodes, reservations, runs holding workers), decide (project quotas,
+        ``admission.decide``, preemption: all pure), act. Returns the admitted run ids."""
         with session_scope(self.factory) as s:
             queued = store.queued_runs(s)
             queue = [Candidate(id=r.id, plan=r.plan, priority=r.priority or 0, queued_at=r.created_at) for r in queued]
             runs = {r.id: (r.name, r.project, r.ray_job_id, r.attempts or 0) for r in queued}
             trials = {r.id for r in queued if r.sweep_id}
+            holding = [
+                Holding(r.id, r.project, r.priority or 0, r.plan, dict(r.rank_nodes or {}), r.started_at)
+                for r in store.active_runs(s)
+            ]
         if not queue:
             return []
-        decisions = decide(queue, self.capacities(), self._reserved()).decisions
+        over = quota_waits(queue, {k: v[1] for k, v in runs.items()}, holding, self.settings.project_max_workers)
+        for run_id, reason in over.items():
+            with session_scope(self.factory) as s:
+                store.set_reason(s, run_id=run_id, reason=reason)
+        queue = [c for c in queue if c.id not in over]
+        nodes, reserved = self.capacities(), self._reserved()
+        decisions = decide(queue, nodes, reserved).decisions
+        head = next((d for d in decisions if d.action == "wait" and d.placement is not None), None)
+        if head is not None and self.settings.preemption != "off":
+            why = self._preempt_for(head, runs[head.candidate.id][1], nodes, reserved, holding)
+            decisions = [replace(d, reason=why) if d is head and why else d for d in decisions]
         admitted = []
         for d in decisions:
             if d.candidate.id in trials:
@@ -168,6 +187,33 @@ class Scheduler:
         self.pending[run_id] = _Pending(placement=d.placement, attempts_at_admission=attempts)
         logger.info("sweep trial run %s admitted", run_id)
         return True
+
+    def _preempt_for(
+        self,
+        head: Decision,
+        project: str,
+        nodes: list[NodeCapacity],
+        reserved: dict[str, dict[str, float]],
+        holding: list[Holding],
+    ) -> str | None:
+        """Ask the lower-priority runs that make room for ``head`` to checkpoint and yield (their drivers read the
+        ``preempt_request`` event, see ``service.runs.preemption``); ``head`` waits with that reason."""
+        active = {h.id for h in holding}
+        self.preempting = {k: v for k, v in self.preempting.items() if k in active}
+        victims = choose_victims(head.candidate, project, nodes, reserved, holding, self.settings.preemption)
+        if not victims:
+            return None
+        c = head.candidate
+        with session_scope(self.factory) as s:
+            for v in victims:
+                if v.id in self.preempting:
+                    continue
+                self.preempting[v.id] = c.id
+                why = f"preempted by run {c.id} (priority {c.priority} > {v.priority}); it resumes from a checkpoint"
+                store.add_event(s, run_id=v.id, kind=PREEMPT_REQUEST, reason=why, actor="scheduler")
+                logger.info("run %s: %s", v.id, why)
+        ids = ", ".join(v.id for v in victims)
+        return f"{head.reason}; preempting lower-priority {ids} (they checkpoint first)"
 
     def _act(self, d: Decision, name: str, project: str, old_job: str | None, attempts: int) -> bool:
         """Carry out one decision; True when the run was admitted (submitted as its Ray Job)."""
@@ -271,6 +317,7 @@ class Scheduler:
 
     def reconcile(self) -> list[str]:
         """Fail runs whose driver is gone (or whose pinned node died). Returns their ids."""
+        self._requeue_replanned()
         with session_scope(self.factory) as s:
             # queued sweep trials too: their sweep's Ray Job gone, they would block the queue forever
             runs = store.active_runs(s) + [r for r in store.queued_runs(s) if r.sweep_id and r.ray_job_id]
@@ -279,6 +326,10 @@ class Scheduler:
         dead: set[str] | None = None
         for run_id, status, job_id, rank_nodes in active:
             stop_after: str | None = None
+            if run_id in self.replanning:  # being stopped for an elastic re-plan
+                if job_id and self.jobs.state(job_id).status not in ("PENDING", "RUNNING"):
+                    self._fail_lost(run_id, "stopped for an elastic re-plan")  # its driver did not end it
+                continue
             if not job_id:
                 if run_id in self.pending:
                     continue
@@ -305,7 +356,9 @@ class Scheduler:
                     if dead is None:
                         dead = {n.node_id for n in self.cluster.nodes() if not n.alive}
                     gone = sorted({n for n in rank_nodes.values() if n in dead})
-                    if not gone:
+                    if not gone or run_id in self.replanning:
+                        continue
+                    if self._replan(run_id, job_id, gone):
                         continue
                     # Workers are pinned to their nodes: Ray Train would wait forever to restart them there.
                     reason = (
@@ -324,6 +377,54 @@ class Scheduler:
             lost.append(run_id)
             logger.warning("run %s: %s", run_id, reason)
         return lost
+
+    def _replan(self, run_id: str, job_id: str, gone: list[str]) -> bool:
+        """A run with ``spec.elastic`` lost nodes: re-plan it for the alive nodes (``service.control.elastic``), stop
+        its job, and re-queue it once its driver ended (``_requeue_replanned``). False: not elastic or nothing fits."""
+        with session_scope(self.factory) as s:
+            run = store.get_run(s, run_id=run_id)
+            spec, plan = RunSpec.model_validate(run.spec), Plan.model_validate(run.plan) if run.plan else None
+        if spec.elastic is None or plan is None:
+            return False
+        alive = self.capacities()
+        why = f"node lost: {', '.join(g[:12] for g in gone)} of this run's workers died"
+        new = replan(spec, plan, alive, why=why)
+        if new is None:
+            return False
+        self.replanning[run_id] = new
+        with session_scope(self.factory) as s:
+            store.add_event(s, run_id=run_id, kind="elastic", reason=new.reason, actor="scheduler")
+        logger.warning("run %s: %s", run_id, new.reason)
+        try:
+            self.jobs.stop(job_id)
+        except Exception:
+            logger.exception("stopping Ray Job %s failed", job_id)
+        return True
+
+    def _requeue_replanned(self) -> None:
+        """Re-queue the re-planned runs whose driver has ended (stopped: CANCELLED or FAILED by now)."""
+        for run_id, new in list(self.replanning.items()):
+            with session_scope(self.factory) as s:
+                run = store.get_run(s, run_id=run_id)
+                status = RunStatus(run.status)
+                if status in (RunStatus.RUNNING, RunStatus.STARTING):
+                    continue  # its driver has not ended yet
+                self.replanning.pop(run_id, None)
+                if status not in (RunStatus.FAILED, RunStatus.CANCELLED):
+                    continue
+                ck = store.latest_checkpoint(s, run_id=run_id)
+                store.transition(
+                    s,
+                    run_id=run_id,
+                    to=RunStatus.QUEUED,
+                    reason=trim(new.reason, 1000),
+                    actor="scheduler",
+                    allow_from=[RunStatus.FAILED, RunStatus.CANCELLED],
+                    spec=new.spec.model_dump(mode="json"),
+                    plan=new.plan.model_dump(mode="json"),
+                    resume_from=ck.path if ck is not None else run.resume_from,
+                    summary=None,
+                )
 
     def _fail_lost(self, run_id: str, reason: str) -> bool:
         """FAILED with ``reason`` (its attempt too, its summary from the stored metrics), unless the driver ended

@@ -34,7 +34,7 @@ from service.cluster.jobs import trim
 from service.cluster.placement import Placement
 from service.runs.inspect import InspectionFailed, describe, inspect_in_driver
 from service.runs.lifecycle import Outcome, RunLifecycle
-from service.runs.preemption import preemption_reason
+from service.runs.preemption import preemption_reason, watch_preempt_requests
 from service.runs.trainer import build_trainer, placing_phase, train_run_name
 from service.settings import Settings
 from service.store.db import make_engine, make_sessionmaker, session_scope
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     error: Exception | None = None
     outcome = Outcome(RunStatus.FAILED, "driver ended without a result")
     try:
-        with life.channel(first_attempt=first_attempt) as channel:
+        with life.channel(first_attempt=first_attempt) as channel, watch_preempt_requests(factory, run_id, channel):
             try:
                 if spec.layout.sync == "async_ps":
                     _run_async_ps(spec, plan, channel)

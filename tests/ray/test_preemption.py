@@ -11,10 +11,11 @@ import httpx
 import pytest
 
 from tests.ray.conftest import FT_STEPS, ft_spec
-from tests.ray.helpers import events, metrics, submit, wait_for, wait_for_step
+from tests.ray.helpers import events, metrics, submit, tiny_spec, wait_for, wait_for_step
 from tests.ray.test_runs import worker_pids
 
 pytestmark = pytest.mark.ray
+LOW_STEPS = 100
 
 
 def _rows(url: str, run_id: str, attempt: int) -> list[dict]:
@@ -48,3 +49,38 @@ def test_sigterm_to_a_worker_checkpoints_requeues_and_resumes(live_service, refe
     assert stopped_at in {c["step"] for c in cks}  # the emergency checkpoint
     # the resumed run is the uninterrupted one (model, optimizer and data position restored)
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in ref_rows], rel=1e-5)
+
+
+def test_a_higher_priority_run_preempts_a_lower_one_that_later_resumes(live_service, monkeypatch):
+    url = live_service.url
+    monkeypatch.setattr(live_service.settings, "preemption", "any")
+    cpus = int(os.environ.get("MESHRUN_TEST_RAY_CPUS", "6"))  # the session cluster's CPUs: the low run takes all
+    low = submit(
+        url,
+        ft_spec(
+            "e2e-preempt-low",
+            resources={"device": "cpu", "cpus_per_worker": cpus // 2},
+            train={"steps": LOW_STEPS, "seed": 1, "deterministic": True},
+            checkpoint={"every_steps": 50, "keep": 2},
+            faults={"slow_rank": {"rank": 0, "delay_s": 0.2}},  # >= 20 s of steps: it cannot end before the preemption
+        ),
+    )
+    wait_for_step(url, low["id"], 3, timeout_s=300)
+    high = submit(
+        url, tiny_spec("e2e-preempt-high", steps=4, resources={"device": "cpu", "cpus_per_worker": 2, "priority": 10})
+    )
+    wait_for(url, high["id"], {"SUCCEEDED"}, timeout_s=400)
+    done = wait_for(url, low["id"], {"SUCCEEDED"}, timeout_s=400)
+
+    ev = events(url, low["id"])
+    states = [(e["from_status"], e["to_status"]) for e in ev if e["kind"] == "state"]
+    assert ("RUNNING", "PREEMPTED") in states and ("PREEMPTED", "QUEUED") in states, states
+    preempted = next(e for e in ev if e["to_status"] == "PREEMPTED")
+    assert f"preempted by run {high['id']} (priority 10 > 0)" in preempted["reason"], preempted
+    assert done["attempts"] == 2
+    rows = metrics(url, low["id"])
+    assert [r["step"] for r in rows] == list(range(1, LOW_STEPS + 1))
+    assert len({r["step"] for r in _rows(url, low["id"], 1)} & {r["step"] for r in _rows(url, low["id"], 2)}) <= 1
+    # the high run started only after the low one yielded its workers
+    high_start = next(e["time"] for e in events(url, high["id"]) if e["to_status"] == "STARTING")
+    assert high_start >= preempted["time"]
