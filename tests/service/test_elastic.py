@@ -66,7 +66,9 @@ def sched(tmp_path):
     engine.dispose()
 
 
-def test_a_lost_node_requeues_an_elastic_run_in_a_smaller_layout(sched) -> None:
+def test_a_lost_node_requeues_an_elastic_run_in_a_smaller_layout(sched, tmp_path) -> None:
+    ck = tmp_path / "ck" / "step_10"
+    ck.mkdir(parents=True)  # resume only names checkpoints that are still on disk
     stopped: list[str] = []
     sched.jobs.stop = lambda job_id: stopped.append(job_id) or True
     spec = RunSpec.model_validate(SPEC)
@@ -81,7 +83,7 @@ def test_a_lost_node_requeues_an_elastic_run_in_a_smaller_layout(sched) -> None:
     with session_scope(sched.factory) as s:
         store.transition(s, run_id=rid, to="RUNNING", reason="driver",
                          rank_nodes={"0": "n1", "1": "n1", "2": "n2", "3": "n2"})
-        store.add_checkpoint(s, run_id=rid, attempt=1, step=10, path="/ck/step_10", size_bytes=1)
+        store.add_checkpoint(s, run_id=rid, attempt=1, step=10, path=str(ck), size_bytes=1)
     sched.cluster.views = [sched.cluster.views[0], NodeView(node_id="n2", alive=False, address=None,
                                                             total={"CPU": 2.0})]
     sched.cluster.views[0] = NodeView(node_id="n1", alive=True, address=None, total={"CPU": 2.0}, free={"CPU": 0.0})
@@ -98,7 +100,7 @@ def test_a_lost_node_requeues_an_elastic_run_in_a_smaller_layout(sched) -> None:
         run = store.get_run(s, run_id=rid)
         assert run.status in ("QUEUED", "STARTING")
         assert run.plan["dp"] == 2 and run.spec["layout"]["dp"] == 2 and run.plan["global_batch_size"] == 16
-        assert run.resume_from == "/ck/step_10"
+        assert run.resume_from == str(ck)
         kinds = [(e.kind, e.reason) for e in store.list_events(s, run_id=rid, limit=100)]
     elastic = [r for k, r in kinds if k == "elastic"]
     assert elastic and "node lost: n2" in elastic[0] and "dp=4 tp=1 pp=1 -> dp=2 tp=1 pp=1" in elastic[0]

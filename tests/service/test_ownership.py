@@ -93,14 +93,16 @@ def test_metrics_of_an_ended_attempt_are_dropped(factory):
         assert sorted(tuple(r) for r in rows) == [(1, 1), (2, 2)]  # attempt 1's late step 2 is not stored
 
 
-def test_runs_of_a_lost_head_resume_from_their_checkpoint_within_max_failures(factory):
+def test_runs_of_a_lost_head_resume_from_their_checkpoint_within_max_failures(factory, tmp_path):
+    ck = tmp_path / "ck" / "5"
+    ck.mkdir(parents=True)  # resume only names checkpoints that are still on disk
     rid = _running_run(factory, "meshrun-x-1", max_failures=1)
     with session_scope(factory) as s:
         store.start_attempt(s, run_id=rid, cause="start")
-        store.add_checkpoint(s, run_id=rid, attempt=1, step=5, path="/ck/5")
+        store.add_checkpoint(s, run_id=rid, attempt=1, step=5, path=str(ck))
     assert requeue_lost_runs(factory, detail="the Ray head (pid 1) died") == [rid]
     status, reason, resume_from, _ = _row(factory, rid)
-    assert status == "QUEUED" and resume_from == "/ck/5"
+    assert status == "QUEUED" and resume_from == str(ck)
     assert reason.startswith(HEAD_LOST) and "checkpoint of step 5" in reason and "1 of max_failures=1" in reason
     with session_scope(factory) as s:
         assert [e.reason for e in store.list_events(s, run_id=rid) if e.kind == "head_lost"] == [
