@@ -26,6 +26,11 @@ class Settings(BaseSettings):
         description="A file holding the SQLAlchemy URL, read when MESHRUN_DATABASE_URL is unset: what the service "
         "hands its Ray Job drivers (a 0600 file under <data_dir>/secrets), so no job's runtime_env carries it.",
     )
+    credentials_dir: Path | None = Field(
+        None,
+        description="Where the service writes the 0600 file with the database URL that Ray Job drivers read "
+        "(default <data_dir>/secrets). With drivers on other machines or containers, a directory they all mount.",
+    )
     ray_address: str | None = Field(
         None,
         description="Existing Ray cluster (e.g. ray://head:10001 or head:6380); unset = start and own a local head.",

@@ -171,7 +171,8 @@ def ray_cluster() -> Iterator[RayTestCluster]:
     tmp = Path(f"/tmp/mr_test_{secrets.token_hex(3)}")
     tmp.mkdir()
     head = RayCluster(gcs_port=free_port(6390), dashboard_port=free_port(8266), metrics_export_port=None,
-                      num_cpus=int(os.environ.get("MESHRUN_TEST_RAY_CPUS", "6")), num_gpus=0, data_dir=tmp)
+                      num_cpus=int(os.environ.get("MESHRUN_TEST_RAY_CPUS", "6")), num_gpus=0, data_dir=tmp,
+                      multi_node=True)  # add_node() joins other nodes: not a loopback-only head
     os.environ.setdefault("MESHRUN_TORCH_TIMEOUT_S", "60")
     try:
         head.start()

@@ -70,9 +70,10 @@ SECRET_ENV = ("MESHRUN_DATABASE_URL", "MESHRUN_METRICS_TOKEN")
 
 
 def credential_file(settings: Settings) -> Path:
-    """``<data_dir>/secrets/database_url`` (directory 0700, file 0600, written atomically when it differs): the one
-    place a Ray Job driver reads the database URL from (``MESHRUN_DATABASE_URL_FILE``)."""
-    folder = Path(settings.data_dir) / "secrets"
+    """``<credentials_dir>/database_url`` (default ``<data_dir>/secrets``; directory 0700, file 0600, written
+    atomically when it differs): the one place a Ray Job driver reads the database URL from
+    (``MESHRUN_DATABASE_URL_FILE``)."""
+    folder = Path(settings.credentials_dir or Path(settings.data_dir) / "secrets")
     folder.mkdir(parents=True, exist_ok=True)
     folder.chmod(0o700)
     path = folder / "database_url"

@@ -158,3 +158,15 @@ def test_a_jobs_environment_names_a_private_credential_file_never_the_url(tmp_pa
     monkeypatch.delenv("MESHRUN_DATABASE_URL")
     monkeypatch.setenv("MESHRUN_DATABASE_URL_FILE", path)
     assert Settings(data_dir=tmp_path).database_url == "postgresql+psycopg://meshrun:s3cret@db/meshrun"
+
+
+def test_cluster_state_of_a_dead_gcs_fails_at_once_without_a_reader_process():
+    from service.cluster.gcs_view import ClusterUnavailable, GcsView
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: connections are refused
+        view = GcsView(f"127.0.0.1:{port}")
+        with pytest.raises(ClusterUnavailable, match=f"the Ray GCS at 127.0.0.1:{port} does not answer"):
+            view.nodes()
+        assert view._proc is None
