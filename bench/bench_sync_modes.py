@@ -39,10 +39,11 @@ def _spec(dp: int, steps: int, layout: dict) -> dict:
 def _summarise(rows: list[dict], steps: int) -> dict:
     rows = [r for r in rows if r["step"] > steps // 4]
     n = max(1, len(rows))
-    step_s = sum(r["step_time_s"] for r in rows) / n
+    time_s = sum(r["step_time_s"] for r in rows)
+    tokens = sum(r["tokens_per_s"] * r["step_time_s"] for r in rows)
     return {
-        "tokens_per_s": sum(r["tokens_per_s"] for r in rows) / n,
-        "step_time_s": step_s,
+        "tokens_per_s": tokens / time_s if time_s > 0 else 0.0,  # total tokens / total time (not a mean of rates)
+        "step_time_s": time_s / n,
         "cross_group_bytes": sum(r.get("cross_group_bytes") or 0 for r in rows) / n,
         "final_loss": rows[-1]["loss"] if rows else float("nan"),
     }

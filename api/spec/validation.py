@@ -340,6 +340,12 @@ def _check_sync(spec: RunSpec, chk: SpecCheck) -> None:
                 "layout.sync async_ps trains in fp32 (the servers keep fp32 parameters); use precision fp32",
                 "unsupported_layout",
             )
+        if spec.checkpoint.every_steps:
+            chk.warn(
+                "checkpoint.every_steps",
+                "async_ps writes no checkpoints yet (the servers' state lives in Ray actors); lost workers are "
+                "replaced from the servers, a lost server fails the run",
+            )
         if lay.ps_shards > 1 and spec.optimizer.grad_clip is not None:
             chk.error(
                 "optimizer.grad_clip",

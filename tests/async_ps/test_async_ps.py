@@ -57,10 +57,10 @@ def test_staleness_zero_equals_synchronous_training(ray_session) -> None:
 def test_bound_four_learns_and_staleness_never_exceeds_it(ray_session) -> None:
     spec = tiny_spec(
         dp=2,
-        steps=12,
+        steps=10,
         layout={"sync": "async_ps", "max_staleness": 4, "ps_shards": 2},
         optimizer={"grad_clip": None},
-        faults={"slow_rank": {"rank": 1, "delay_s": 0.3}},
+        faults={"slow_rank": {"rank": 1, "delay_s": 0.2}},
     )
     out, rows = _run(spec)
     assert [r["step"] for r in rows] == list(range(1, 11))
