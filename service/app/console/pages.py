@@ -37,7 +37,7 @@ from service.store.models import Run
 router = APIRouter(include_in_schema=False)
 
 RUNS_PAGE = 50
-ACTIVE = {RunStatus.QUEUED.value, RunStatus.STARTING.value, RunStatus.RUNNING.value}
+ACTIVE = {RunStatus.QUEUED.value, RunStatus.STARTING.value, RunStatus.RUNNING.value, RunStatus.PREEMPTED.value}
 TIMELINE_EVENTS = 300
 MAX_COMPARE = 10
 
