@@ -23,6 +23,7 @@ from service.app.console import install_console
 from service.app.deps import auth_dependencies
 from service.app.errors import ApiError, SafeJSONResponse, error_response, error_responses, install_error_handlers
 from service.app.observability import configure_logging, instrument_app
+from service.app.overload import OverloadGate
 from service.app.ratelimit import RateLimiter
 from service.app.routes import cluster, health, plans, runs, sweeps
 from service.control.runtime import Runtime
@@ -133,7 +134,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         url = settings.database_url or ""  # Settings fills it in (sqlite under data_dir) when unset
-        engine = make_engine(url)
+        engine = make_engine(
+            url,
+            pool_size=settings.db_pool_size,
+            max_overflow=settings.db_max_overflow,
+            pool_timeout_s=settings.db_pool_timeout_s,
+        )
         await run_in_threadpool(migrate.upgrade, url)
         app.state.engine = engine
         app.state.session_factory = make_sessionmaker(engine)
@@ -164,6 +170,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.rate_limiter = RateLimiter(settings.rate_limit_per_minute)
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(
+        OverloadGate, slots=settings.max_concurrent_requests, queue_timeout_s=settings.request_queue_timeout_s
+    )
     app.add_middleware(SameOriginMiddleware)
 
     app.include_router(health.router)
