@@ -28,6 +28,7 @@ from service.app.ratelimit import RateLimiter
 from service.app.routes import cluster, health, plans, runs, sweeps
 from service.control.runtime import Runtime
 from service.meta import VERSION
+from service.security.paths import storage_problem
 from service.settings import Settings, get_settings
 from service.store import migrate
 from service.store.db import make_engine, make_sessionmaker, redact_url
@@ -214,6 +215,13 @@ def _use_error_body_in_openapi(app: FastAPI) -> None:
 
 
 def _log_startup(settings: Settings, runtime: Runtime | None) -> None:
+    unwritable = storage_problem(str(settings.checkpoint_root))
+    if unwritable:
+        log.warning(
+            "checkpoint storage (MESHRUN_CHECKPOINT_ROOT) is not usable: %s; runs without their own "
+            "checkpoint.storage are refused until it is fixed (/healthz reports it)",
+            unwritable,
+        )
     if settings.auth_enabled:
         auth = "auth ON: every endpoint but /healthz needs 'Authorization: Bearer <token>' (meshrun token create)"
     elif settings.listens_on_loopback:
