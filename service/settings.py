@@ -82,6 +82,20 @@ class Settings(BaseSettings):
         description="MESHRUN_ALLOW_FAULTS: accept specs with a faults section (chaos testing) from every token; "
         "otherwise only admin tokens may inject faults.",
     )
+    # hardening limits (README "Hardening/limits")
+    db_pool_size: int = Field(20, ge=1, le=1000, description="Connections kept open to the run database.")
+    db_max_overflow: int = Field(10, ge=0, le=1000, description="Extra connections opened under load.")
+    db_pool_timeout_s: float = Field(10.0, gt=0, le=600, description="Wait for a pooled connection, then 503.")
+    max_concurrent_requests: int = Field(
+        16,
+        ge=1,
+        le=1000,
+        description="API requests served at once (the rest queue on the event loop); keep it at or below "
+        "db_pool_size so a request never waits for a connection.",
+    )
+    request_queue_timeout_s: float = Field(
+        30.0, gt=0, le=600, description="How long a queued request waits before a 503 with Retry-After."
+    )
     log_json: bool = False
     log_level: str = "INFO"
     start_scheduler: bool = Field(True, description="Run admission/reconcile loops in the API process.")

@@ -67,6 +67,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from workers.checkpoint_manifest import META_FILE, manifest_name, verify_checkpoint, write_json_atomic, write_manifest
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -80,10 +82,12 @@ __all__ = [
     "prune_checkpoints",
     "read_checkpoint_meta",
     "save_checkpoint",
+    "usable_checkpoint",
+    "verify_checkpoint",
 ]
 
 FORMAT_VERSION = 1
-META_FILE = "meshrun.json"
+PARTIAL_SUFFIX = ".partial"
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -320,25 +324,67 @@ def save_checkpoint(
         f"rank{rank}": _blob({"rng": _rng_state(), "extra": dict(extra or {})}),
     }
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    writer = dcp.FileSystemWriter(str(path), overwrite=True)
+    staging = path.with_name(path.name + PARTIAL_SUFFIX)  # published (renamed to ``path``) only when complete
+    staging.mkdir(parents=True, exist_ok=True)
+    writer = dcp.FileSystemWriter(str(staging), overwrite=True)
     with _quiet_no_dist():
         dcp.save(state, storage_writer=writer, no_dist=not _dist_on())
+    mine = [
+        f.name for f in staging.iterdir() if f.name.startswith(f"__{rank}_") or (rank == 0 and f.name == ".metadata")
+    ]
+    write_manifest(staging, rank, mine)
+    _barrier()
     if rank == 0:
         meta = {
             "format": FORMAT_VERSION,
             "step": int(step),
             "world_size": world,
+            "manifests": True,
             "plan": _to_jsonable(plan),
             "spec": _to_jsonable(spec),
             "torch_version": torch.__version__,
             "created_at": time.time(),
         }
-        tmp = path / (META_FILE + ".tmp")
-        tmp.write_text(json.dumps(meta, indent=1, sort_keys=True))
-        os.replace(tmp, path / META_FILE)
+        write_json_atomic(staging / META_FILE, meta)
+    _barrier()
+    shared = rank != 0 and (staging / manifest_name(0)).exists()  # one directory for all ranks: rank 0 publishes
+    if not shared:
+        _publish(staging, path)
     _barrier()
     logger.info("saved checkpoint step %d to %s in %.2f s", step, path, time.perf_counter() - t0)
+
+
+def _publish(staging: Path, path: Path) -> None:
+    """Rename the finished ``staging`` directory to ``path`` (an older ``path`` is moved aside, then removed)."""
+    old = path.with_name(path.name + ".old")
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(staging, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def usable_checkpoint(path: str | os.PathLike) -> Path | None:
+    """``path`` if it verifies (sizes and checksums); else the newest checkpoint beside it that does (logged), or
+    None. A resume never loads a truncated or half-published checkpoint."""
+    p = Path(path)
+    why = verify_checkpoint(p)
+    if why is None:
+        return p
+    logger.warning("checkpoint %s is not usable: %s; looking for the previous good one", p, why)
+    siblings = [d for d in (p.parent.iterdir() if p.parent.is_dir() else []) if d != p and d.is_dir()]
+    candidates = []
+    for d in siblings:
+        m = _STEP_IN_NAME_RE.search(d.name)
+        if m and not d.name.endswith((PARTIAL_SUFFIX, ".old")):
+            candidates.append((int(m.group(1)), d.name, d))
+    for _, _, d in sorted(candidates, reverse=True):
+        why_d = verify_checkpoint(d)
+        if why_d is None:
+            logger.warning("resuming from %s instead", d)
+            return d
+        logger.warning("checkpoint %s is not usable either: %s", d, why_d)
+    return None
 
 
 def read_checkpoint_meta(path: str | os.PathLike) -> dict[str, Any]:
@@ -358,6 +404,9 @@ def load_checkpoint(
     t0 = time.perf_counter()
     path = Path(path)
     meta = read_checkpoint_meta(path)
+    why = verify_checkpoint(path)
+    if why is not None:
+        raise ValueError(f"checkpoint {path} cannot be loaded: {why}")
     parts = _as_list(model_parts)
     pairs = _pairs(parts, optimizers)
     scheds = _as_list(schedulers)
@@ -455,6 +504,7 @@ def checkpoint_size_bytes(path: str | os.PathLike) -> int:
 
 
 _STEP_RE = re.compile(r"(\d+)$")
+_STEP_IN_NAME_RE = re.compile(r"step_(\d+)")
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -464,7 +514,7 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
     if not rootp.is_dir():
         return out
     for d in rootp.iterdir():
-        if not d.is_dir() or not (d / META_FILE).is_file():
+        if not d.is_dir() or not (d / META_FILE).is_file() or verify_checkpoint(d, checksums=False) is not None:
             continue
         try:
             step = int(json.loads((d / META_FILE).read_text())["step"])

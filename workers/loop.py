@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from api.spec import Plan, RunSpec
 from api.spec.validation import SpecError, check_spec
-from workers.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint
+from workers.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint, usable_checkpoint
 from workers.comm_hooks import Tracker, measure_p2p_link
 from workers.data import build_batches
 from workers.diagnostics import FaultInjector, Heartbeat, RankState, install_stack_dump
@@ -223,13 +223,18 @@ def _train(
                 scaler = torch.amp.GradScaler(device.type)
 
         start_step, ck_state = 0, dict[str, Any]()
-        if job.resume_from:
+        resume = usable_checkpoint(job.resume_from) if job.resume_from else None
+        if job.resume_from and resume is None:
+            raise FileNotFoundError(
+                f"no usable checkpoint at or beside {job.resume_from} (each failed verification; see the log)"
+            )
+        if resume is not None:
             with tracker.paused():
                 ck_state = load_checkpoint(
-                    job.resume_from, model_parts=model_parts, optimizers=optimizers, schedulers=schedulers
+                    resume, model_parts=model_parts, optimizers=optimizers, schedulers=schedulers
                 )
             start_step = int(ck_state["step"])
-            log.info("resumed from %s at step %d", job.resume_from, start_step)
+            log.info("resumed from %s at step %d", resume, start_step)
 
         batches = build_batches(
             spec.data,

@@ -31,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from sqlalchemy.exc import DataError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api import spec as schemas
@@ -214,6 +215,16 @@ async def _operational_error(request: Request, exc: OperationalError) -> JSONRes
     )
 
 
+async def _pool_timeout(request: Request, exc: PoolTimeout) -> JSONResponse:
+    log.warning("no database connection free on %s %s: %s", request.method, request.url.path, exc)
+    return error_response(
+        503,
+        "database_busy",
+        "every database connection is in use; retry shortly",
+        headers={"Retry-After": "1"},
+    )
+
+
 async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
     return error_response(
@@ -229,4 +240,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _http_exception)  # type: ignore[arg-type]
     app.add_exception_handler(DataError, _data_error)  # type: ignore[arg-type]
     app.add_exception_handler(OperationalError, _operational_error)  # type: ignore[arg-type]
+    app.add_exception_handler(PoolTimeout, _pool_timeout)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _unhandled)

@@ -23,10 +23,12 @@ from service.app.console import install_console
 from service.app.deps import auth_dependencies
 from service.app.errors import ApiError, SafeJSONResponse, error_response, error_responses, install_error_handlers
 from service.app.observability import configure_logging, instrument_app
+from service.app.overload import OverloadGate
 from service.app.ratelimit import RateLimiter
 from service.app.routes import cluster, goodput, health, observe, plans, runs, sweeps
 from service.control.runtime import Runtime
 from service.meta import VERSION
+from service.security.paths import storage_problem
 from service.settings import Settings, get_settings
 from service.store import migrate
 from service.store.db import make_engine, make_sessionmaker, redact_url
@@ -140,7 +142,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         url = settings.database_url or ""  # Settings fills it in (sqlite under data_dir) when unset
-        engine = make_engine(url)
+        engine = make_engine(
+            url,
+            pool_size=settings.db_pool_size,
+            max_overflow=settings.db_max_overflow,
+            pool_timeout_s=settings.db_pool_timeout_s,
+        )
         await run_in_threadpool(migrate.upgrade, url)
         app.state.engine = engine
         app.state.session_factory = make_sessionmaker(engine)
@@ -171,6 +178,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.rate_limiter = RateLimiter(settings.rate_limit_per_minute)
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(
+        OverloadGate, slots=settings.max_concurrent_requests, queue_timeout_s=settings.request_queue_timeout_s
+    )
     app.add_middleware(SameOriginMiddleware)
 
     app.include_router(health.router)
@@ -212,6 +222,13 @@ def _use_error_body_in_openapi(app: FastAPI) -> None:
 
 
 def _log_startup(settings: Settings, runtime: Runtime | None) -> None:
+    unwritable = storage_problem(str(settings.checkpoint_root))
+    if unwritable:
+        log.warning(
+            "checkpoint storage (MESHRUN_CHECKPOINT_ROOT) is not usable: %s; runs without their own "
+            "checkpoint.storage are refused until it is fixed (/healthz reports it)",
+            unwritable,
+        )
     if settings.auth_enabled:
         auth = "auth ON: every endpoint but /healthz needs 'Authorization: Bearer <token>' (meshrun token create)"
     elif settings.listens_on_loopback:

@@ -137,6 +137,7 @@ def submit_run(
     store.add_event(
         session, run_id=run.id, kind="audit", reason=f"submitted by {actor} (project {project})", actor=actor
     )
+    session.commit()  # the write transaction ends here, not after the response is built (short write locks)
     return run, True
 
 

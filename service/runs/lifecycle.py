@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -215,10 +216,26 @@ class Outcome:
 
     status: RunStatus | None
     reason: str
+    detail: str | None = None  # the full error text (tracebacks), kept as an "error" event
 
     @classmethod
     def succeeded(cls) -> Outcome:
         return cls(RunStatus.SUCCEEDED, "training finished")
+
+
+_EXC_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*(?:Error|Exception|Exit|Interrupt|Failure))\b:?\s*(.*)$")
+MAX_SENTENCE_CHARS = 300
+
+
+def one_sentence(text: str) -> str:
+    """The error of a (multi-line, traceback-laden) failure text as one readable line: the last
+    ``SomeError: message`` line (the innermost cause), else the first line; at most 300 characters."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    if not lines:
+        return "unknown error"
+    found = [m for m in (_EXC_LINE.match(ln) for ln in lines) if m and m.group(2)]
+    line = f"{found[-1].group(1)}: {found[-1].group(2)}" if found else lines[0]
+    return line if len(line) <= MAX_SENTENCE_CHARS else line[: MAX_SENTENCE_CHARS - 3] + "..."
 
 
 def failure_text(e: BaseException, worker_errors: list[str]) -> str:
@@ -321,7 +338,8 @@ class RunLifecycle:
 
     def failed(self, error: BaseException) -> Outcome:
         """FAILED with the workers' error (call after the channel's last drain, which brings their reports)."""
-        return Outcome(RunStatus.FAILED, trim(f"training failed: {failure_text(error, self.recorder.worker_errors)}"))
+        text = failure_text(error, self.recorder.worker_errors)
+        return Outcome(RunStatus.FAILED, f"training failed: {one_sentence(text)}", detail=trim(text, 20_000))
 
     def summary(self, session: Session, *, wall_s: float | None) -> dict[str, Any]:
         return run_summary(
@@ -377,6 +395,8 @@ class RunLifecycle:
                     status=outcome.status.value,
                     cause=None if outcome.status == RunStatus.SUCCEEDED else outcome.reason[:500],
                 )
+            if outcome.detail:
+                store.add_event(s, run_id=self.run_id, kind="error", reason=outcome.detail, actor=self.actor)
         if outcome.status is not None:
             self.transition(outcome.status, outcome.reason, summary=summary)
         logger.info(

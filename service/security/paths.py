@@ -169,3 +169,23 @@ def decide_path(value: str, *, param: str, settings: Settings, restricted: bool)
     path = unquote(_file_url_path(rest, param=param))
     local = _local(path, param=param, settings=settings, restricted=restricted)
     return local if restricted else value
+
+
+def storage_problem(storage: str) -> str | None:
+    """Why the service cannot write checkpoints to the local directory ``storage`` (None: writable, or a URL the
+    workers' filesystem library writes). A directory that does not exist yet is judged by its nearest existing
+    parent, where it would be created."""
+    if "://" in storage or "::" in storage:
+        return None
+    p = os.path.realpath(os.path.expanduser(storage))
+    probe = p
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        return f"{probe} is not a directory, so {p} cannot hold checkpoints"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable by the service (read-only or permissions), so {p} cannot hold checkpoints"
+    return None

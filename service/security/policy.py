@@ -9,10 +9,11 @@ as dotted identifiers (``api.spec``) and imported by the workers with importlib.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from api.spec import RunSpec
-from service.security.paths import PolicyViolation, decide_path
+from service.security.paths import PolicyViolation, decide_path, storage_problem
 from service.settings import Settings
 
 __all__ = ["PolicyViolation", "check_code_dir", "check_spec_policy", "resolve_code_dir", "uses_user_code"]
@@ -61,6 +62,17 @@ def check_spec_policy(spec: RunSpec, *, can_run_code: bool, settings: Settings, 
         data_path = decide_path(data_path, param="data.path", settings=settings, restricted=restricted)
     if storage is not None:
         storage = decide_path(storage, param="checkpoint.storage", settings=settings, restricted=restricted)
+    target = storage or str(settings.checkpoint_root)
+    if "://" not in target and not os.path.isabs(os.path.expanduser(target)):
+        target = os.path.join(str(settings.data_dir), target)
+    unwritable = storage_problem(target)
+    if unwritable:
+        raise PolicyViolation(
+            422,
+            "storage_unwritable",
+            f"checkpoint.storage: {unwritable}; give a writable directory or an object-store URL",
+            "checkpoint.storage",
+        )
     if code_dir is not None:
         decide_path(code_dir, param="code.working_dir", settings=settings, restricted=settings.auth_enabled)
         why = check_code_dir(spec, settings)

@@ -13,13 +13,21 @@ from sqlalchemy.orm import Session, sessionmaker
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
 
-def make_engine(url: str, *, echo: bool = False) -> Engine:
+def make_engine(
+    url: str, *, echo: bool = False, pool_size: int = 10, max_overflow: int = 20, pool_timeout_s: float = 30.0
+) -> Engine:
+    """The engine of ``url``; the pool is bounded (``pool_size`` + ``max_overflow`` connections, a checkout waits
+    at most ``pool_timeout_s`` and then raises ``sqlalchemy.exc.TimeoutError``, which the API answers 503)."""
+    pool = {"pool_size": pool_size, "max_overflow": max_overflow, "pool_timeout": pool_timeout_s}
     if url.startswith("sqlite"):
         path = url.split(":///", 1)[-1]
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(
-            url, echo=echo, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}
+            url,
+            echo=echo,
+            connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
+            **pool,
         )
 
         @event.listens_for(engine, "connect")
@@ -32,7 +40,7 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, echo=echo, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    return create_engine(url, echo=echo, pool_pre_ping=True, **pool)
 
 
 def redact_url(url: str) -> str:

@@ -111,3 +111,20 @@ def test_allowed_roots_and_protocols_are_settings(tmp_path):
     for refused in ("gs://b/k", f"file://{extra}/x"):  # protocols outside the setting
         with pytest.raises(Exception, match="not allowed"):
             decide_path(refused, param="data.path", settings=s, restricted=True)
+
+
+def test_unwritable_checkpoint_storage_is_reported_at_start_and_refused_at_submission(make_client, tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with caplog.at_level("WARNING", logger="service.app.server"):
+        c = make_client(checkpoint_root=blocker / "checkpoints")
+    assert any("checkpoint storage" in r.getMessage() for r in caplog.records)
+    health = c.get("/healthz")
+    assert health.status_code == 503 and health.json()["storage"] == "error"
+    assert "not a directory" in health.json()["reason"]
+    r = c.post("/v1/runs", json={"name": "x"})  # the default storage
+    assert r.status_code == 422 and r.json()["error"]["param"] == "checkpoint.storage", r.text
+    r = c.post("/v1/runs", json={"checkpoint": {"storage": str(blocker / "mine")}})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "storage_unwritable"
+    ok = c.post("/v1/runs", json={"checkpoint": {"storage": str(tmp_path / "ck")}})
+    assert ok.status_code == 201, ok.text

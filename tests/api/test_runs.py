@@ -338,7 +338,7 @@ def test_openapi_documents_error_bodies(client):
 
 
 def test_healthz(client):
-    assert client.get("/healthz").json() == {"status": "ok", "db": "ok", "ray": "absent", "auth": False,
+    assert client.get("/healthz").json() == {"status": "ok", "db": "ok", "ray": "absent", "storage": "ok", "auth": False,
                                              "version": client.get("/healthz").json()["version"]}
 
 

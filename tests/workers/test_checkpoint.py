@@ -24,6 +24,8 @@ from workers.checkpoint import (
     prune_checkpoints,
     read_checkpoint_meta,
     save_checkpoint,
+    usable_checkpoint,
+    verify_checkpoint,
 )
 
 from .test_pipeline_harness import TINY, loop_world, make_spec, run_world, train_local
@@ -68,6 +70,30 @@ def test_load_refuses_an_incomplete_checkpoint(tmp_path):
     (tmp_path / "half" / ".metadata").write_bytes(b"x")
     with pytest.raises(FileNotFoundError, match="not a complete meshrun checkpoint"):
         load_checkpoint(tmp_path / "half", model_parts=[torch.nn.Linear(2, 2)], optimizers=[], schedulers=[])
+
+
+def test_a_truncated_or_unpublished_checkpoint_never_counts_and_resume_falls_back(tmp_path):
+    model = _tiny_gpt(2)
+    for step in (2, 4):
+        save_checkpoint(checkpoint_path(tmp_path, step), model_parts=[model], optimizers=[], schedulers=[], step=step)
+    good, bad = checkpoint_path(tmp_path, 2), checkpoint_path(tmp_path, 4)
+    assert verify_checkpoint(bad) is None and not list(tmp_path.glob("*.partial"))
+    assert {"manifest.rank0.json", META_FILE} <= {p.name for p in bad.iterdir()}
+    shard = bad / "__0_0.distcp"
+    with open(shard, "r+b") as f:  # a full disk: the shard is cut short beside a completion marker
+        f.truncate(shard.stat().st_size // 2)
+    assert "truncated" in verify_checkpoint(bad)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2] and latest_checkpoint(tmp_path) == good
+    with pytest.raises(ValueError, match="cannot be loaded: .*truncated"):
+        load_checkpoint(bad, model_parts=[_tiny_gpt(2)], optimizers=[], schedulers=[])
+    assert usable_checkpoint(bad) == good  # resume verifies and takes the previous good one
+    with open(good / "__0_0.distcp", "r+b") as f:  # same size, other bytes: the checksum catches it
+        f.seek(0)
+        f.write(b"\xff" * 16)
+    assert "checksum" in verify_checkpoint(good) and usable_checkpoint(bad) is None
+    partial = tmp_path / "step_00000006.partial"  # a save that crashed before publishing
+    shutil.copytree(checkpoint_path(tmp_path, 2), partial)
+    assert 6 not in [s for s, _ in list_checkpoints(tmp_path)]
 
 
 def _tiny_gpt(n_layers: int):
@@ -186,7 +212,7 @@ def test_per_rank_directories_merge_into_one_checkpoint(tmp_path):
     spec = make_spec({"dp": 2})  # DDP
     run = run_world(train_local, 2, spec, 2, str(tmp_path / "rank{rank}"))
     r0, r1 = tmp_path / "rank0", tmp_path / "rank1"
-    names1 = {p.name for p in r1.iterdir()}
+    names1 = {p.name for p in r1.iterdir()} - {"manifest.rank1.json"}
     assert names1 and all(n.startswith("__1_") and n.endswith(".distcp") for n in names1)
     assert {".metadata", META_FILE} <= {p.name for p in r0.iterdir()}
     assert not any(n.startswith("__1_") for n in os.listdir(r0))

@@ -13,6 +13,7 @@ from sqlalchemy import text
 
 from service.app.deps import RuntimeDep, SessionFactoryDep, SettingsDep
 from service.meta import VERSION
+from service.security.paths import storage_problem
 
 router = APIRouter(tags=["health"])
 
@@ -21,6 +22,7 @@ class Health(BaseModel):
     status: str = Field(description='"ok", or "degraded" when a dependency is down (HTTP 503).')
     db: str = Field(description='"ok" or "error".')
     ray: str = Field(description='"ok", "error", or "absent" when this process runs no Ray runtime.')
+    storage: str = Field("ok", description='"ok" or "error": can the default checkpoint storage be written.')
     reason: str | None = Field(None, description="What is wrong, when something is.")
     auth: bool
     version: str
@@ -48,12 +50,18 @@ def healthz(response: Response, factory: SessionFactoryDep, settings: SettingsDe
         ray = "ok" if health.ok else "error"
         if health.reason:
             problems.append(health.reason)
+    storage = "ok"
+    unwritable = storage_problem(str(settings.checkpoint_root))
+    if unwritable:
+        storage = "error"
+        problems.append(f"checkpoint storage: {unwritable}")
     if problems:
         response.status_code = 503
     return Health(
         status="degraded" if problems else "ok",
         db=db,
         ray=ray,
+        storage=storage,
         reason="; ".join(problems) or None,
         auth=settings.auth_enabled,
         version=VERSION,

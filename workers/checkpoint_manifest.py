@@ -1,0 +1,84 @@
+"""What makes a checkpoint directory trustworthy: per-rank manifests (every file a rank wrote, with its size and
+sha256), written after the rank's data and before the directory is published, and ``verify_checkpoint`` that
+checks them. A crash or a full disk in the middle of a save leaves either an unpublished temporary directory or
+a directory whose manifest does not match its files, never one that verifies.
+
+Files of one checkpoint directory: DCP's ``__<rank>_*.distcp`` and ``.metadata``, ``manifest.rank<r>.json`` per
+rank, and ``meshrun.json`` (rank 0, last; ``world_size`` says how many manifests to expect).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+META_FILE = "meshrun.json"
+MANIFEST_PREFIX = "manifest.rank"
+_CHUNK = 1 << 20
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def manifest_name(rank: int) -> str:
+    return f"{MANIFEST_PREFIX}{rank}.json"
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write, flush to disk, then rename into place: readers see the old file, the whole new one, or none."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(obj, indent=1, sort_keys=True))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_manifest(directory: Path, rank: int, files: list[str]) -> None:
+    """Record ``files`` (names in ``directory`` written by this rank) with their sizes and checksums."""
+    entries = {}
+    for name in sorted(files):
+        p = directory / name
+        entries[name] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+    write_json_atomic(directory / manifest_name(rank), {"rank": rank, "files": entries})
+
+
+def verify_checkpoint(path: str | os.PathLike, *, checksums: bool = True) -> str | None:
+    """Why the checkpoint at ``path`` cannot be trusted (None: complete and intact). Checks ``meshrun.json``, one
+    manifest per saved rank, and every listed file's size (and sha256 with ``checksums``)."""
+    d = Path(path)
+    meta_p = d / META_FILE
+    if not meta_p.is_file():
+        return f"{d} has no {META_FILE} (the save did not finish)"
+    try:
+        meta = json.loads(meta_p.read_text())
+        world = int(meta.get("world_size", 1))
+    except (OSError, ValueError, TypeError) as e:
+        return f"{d}/{META_FILE} is unreadable ({e})"
+    if meta.get("manifests") is None:  # written before manifests existed: nothing more to check
+        return None
+    for rank in range(world):
+        mp = d / manifest_name(rank)
+        try:
+            files = json.loads(mp.read_text())["files"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return f"{d} lacks a readable {mp.name} (rank {rank}'s part is missing)"
+        for name, want in files.items():
+            fp = d / name
+            try:
+                size = fp.stat().st_size
+            except OSError:
+                return f"{d}/{name} is missing"
+            if size != want.get("size"):
+                return f"{d}/{name} has {size} bytes, its manifest says {want.get('size')} (truncated write)"
+            if checksums and _sha256(fp) != want.get("sha256"):
+                return f"{d}/{name} does not match its checksum (corrupted)"
+    return None
