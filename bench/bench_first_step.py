@@ -146,14 +146,20 @@ def main(argv: list[str] | None = None) -> int:
     bare: list[float] = []
     phases: list[str] = []
     with contextlib.ExitStack() as stack:
-        url = stack.enter_context(
-            meshrun_service(tmp, ray_address=args.ray_address, dashboard_url=args.dashboard_url, num_cpus=args.num_cpus)
-        )
-        import httpx
+        gcs, dash = args.ray_address, args.dashboard_url
+        if not gcs:  # our own head: the bare job needs Ray's dashboard itself (meshrun's /ray/ proxy is read-only)
+            from service.cluster.head import RayCluster, free_port, local_cpu_slots
 
-        cluster = httpx.get(f"{url}/v1/cluster", timeout=30).json()
-        dash = args.dashboard_url or cluster.get("dashboard_url")
-        gcs = args.ray_address or cluster.get("address") or cluster.get("ray_address")
+            head = RayCluster(
+                gcs_port=free_port(6393),
+                dashboard_port=free_port(8268),
+                num_cpus=local_cpu_slots(args.num_cpus)[0],
+                data_dir=Path(tempfile.mkdtemp(prefix="mr-bench-", dir="/tmp")),
+            )
+            head.start()
+            stack.callback(head.stop)
+            gcs, dash = head.address, head.dashboard_url
+        url = stack.enter_context(meshrun_service(tmp, ray_address=gcs, dashboard_url=dash, num_cpus=None))
         for i in range(args.repeats):
             order = ("meshrun", "bare") if i % 2 == 0 else ("bare", "meshrun")
             for which in order:

@@ -1,5 +1,5 @@
-"""``meshrun serve``, ``demo``, ``cluster``, ``health``, ``db`` and ``token``: the commands that start or
-maintain the service. Only these import the service package, lazily, inside the command."""
+"""``meshrun serve``, ``demo``, ``cluster``, ``health``, ``db``, ``token`` and ``doctor``: the commands that start,
+maintain or check the service. Only these import the service package, lazily, inside the command."""
 
 from __future__ import annotations
 
@@ -297,3 +297,25 @@ def _create_token(auth: Any, url: str, *, project: str, name: str, admin: bool, 
             return auth.create_token(session, project, name, admin=admin, can_run_code=can_run_code)
     finally:
         engine.dispose()
+
+
+@command(app, "doctor")
+def doctor(as_json: bool = typer.Option(False, "--json")) -> None:
+    """Check the install and this machine: torch build (CUDA/NCCL if present), Ray and its Jobs API, the database,
+    free ports, CPU slots; each problem with what to fix. Exit code 1 when something must be fixed."""
+    from service.control.doctor import run_checks
+    from service.settings import Settings
+
+    checks = run_checks(Settings())
+    if as_json:
+        emit_json([c.__dict__ for c in checks])
+    else:
+        t = Table(show_header=True, box=None, pad_edge=False)
+        for col in ("check", "", "detail", "fix"):
+            t.add_column(col)
+        mark = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[red]FAIL[/]"}
+        for c in checks:
+            t.add_row(c.name, mark[c.level], _escape(c.detail), _escape(c.fix))
+        out().print(t)
+    if any(c.level == "fail" for c in checks):
+        raise typer.Exit(1)

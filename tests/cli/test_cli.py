@@ -299,3 +299,19 @@ def test_show_includes_the_plan_breakdown(api_server):
     assert "world 2 = dp 2 (replicate 2 x shard 1) x tp 1 x pp 1" in r.stdout
     if run["plan"].get("predicted"):
         assert "memory/rank" in r.stdout and "step time" in r.stdout and "compute" in r.stdout
+
+
+def test_doctor_checks_the_install_and_says_what_to_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("MESHRUN_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("MESHRUN_DATABASE_URL", f"sqlite:///{tmp_path / 'm.db'}")
+    monkeypatch.setenv("MESHRUN_RAY_NUM_CPUS", "4")
+    r = runner.invoke(app, ["doctor", "--json"])
+    assert r.exit_code == 0, r.output
+    checks = {c["name"]: c for c in json.loads(r.stdout)}
+    assert {"python", "torch", "gloo", "ray", "ray dashboard", "database", "cpu slots"} <= set(checks)
+    assert checks["database"]["level"] == "ok" and checks["ray dashboard"]["level"] == "ok"
+    assert checks["cpu slots"]["level"] == "warn" and "MESHRUN_RAY_NUM_CPUS=9" in checks["cpu slots"]["fix"]
+    monkeypatch.setenv("MESHRUN_DATABASE_URL", "postgresql+psycopg://nobody@127.0.0.1:1/none")
+    monkeypatch.delenv("MESHRUN_RAY_NUM_CPUS")
+    r = runner.invoke(app, ["doctor"])
+    assert r.exit_code == 1 and "FAIL" in r.stdout and "MESHRUN_DATABASE_URL" in r.stdout

@@ -36,3 +36,19 @@ def test_run_succeeds_beside_another_ray_head(live_service, small_head: Head) ->
     found = [next(i for i, p in enumerate(phases) if p.startswith(o)) for o in order]
     assert found == sorted(found), phases
     assert all(re.search(r"\[\+\d+\.\d s since queued\]$", p) for p in phases), phases
+
+
+def test_cancelling_a_running_run_frees_every_slot(live_service) -> None:
+    """Free CPU slots before the run == after its cancel (its workers and placement group are gone)."""
+    from tests.ray.helpers import wait_for_step
+    from tests.sweeps.test_sweep_ray import free_cpus, wait_free_cpus
+
+    url = live_service.url
+    total = sum(n.total.get("CPU", 0.0) for n in live_service.runtime.capacities())
+    before = wait_free_cpus(live_service, total)
+    run = submit(url, tiny_spec("lane-cancel", dp=2, steps=2000))
+    wait_for_step(url, run["id"], 1, timeout_s=300)
+    assert free_cpus(live_service) <= before - 2  # its two workers hold their slots while it trains
+    r = httpx.post(f"{url}/v1/runs/{run['id']}/cancel", timeout=60)
+    assert r.status_code == 200 and r.json()["status"] == "CANCELLED", r.text
+    assert wait_free_cpus(live_service, before) == before
