@@ -81,7 +81,14 @@ def main(argv: list[str] | None = None) -> int:
         plan = Plan.model_validate(run.plan) if run.plan else build_plan(spec)
         run_name, resume_from, first_attempt = run.name, run.resume_from, (run.attempts or 0) + 1
     name = train_run_name(run_id, submission)
-    life = RunLifecycle(factory, run_id, actor="driver", train_run_name=name)
+    life = RunLifecycle(
+        factory,
+        run_id,
+        actor="driver",
+        train_run_name=name,
+        data_dir=str(settings.data_dir),
+        hang_timeout_s=spec.resources.hang_timeout_s,
+    )
     if not life.start(f"driver started (Ray Job {os.environ.get(JOB_ID_ENV) or '?'})"):
         return 0
 

@@ -7,13 +7,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from api import client as sdk
-from tests.ray.helpers import events, submit, tiny_spec, wait_for
+from tests.ray.helpers import events, submit, tiny_spec, wait_for, wait_for_step
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,3 +82,64 @@ def test_slow_rank_raises_a_straggler_event_naming_it(live_service, slow_rank_ru
     node = slow_rank_run["rank_nodes"]["1"]
     assert f"on node {node[:12]}" in items[0]["reason"] and "x)" in items[0]["reason"]
     assert not [e for e in events(url, run_id) if e["kind"] == "straggler" and "rank 0" in e["reason"]]
+
+
+def test_hung_rank_is_diagnosed_and_the_run_recovers(live_service):
+    """faults.hang_rank blocks rank 1 in compute at step 5 (first attempt only): the driver sees no step for
+    hang_timeout_s, dumps the stacks, fails the attempt naming where each rank is, and Ray Train restarts from the
+    step-4 checkpoint; the run succeeds with every step once."""
+    url = live_service.url
+    spec = tiny_spec("obs-hang", dp=2, steps=8, faults={"hang_rank": {"rank": 1, "at_step": 5}},
+                     checkpoint={"every_steps": 2, "keep": 2},
+                     resources={"device": "cpu", "cpus_per_worker": 1, "max_failures": 1, "hang_timeout_s": 10})
+    run = submit(url, spec)
+    done = wait_for(url, run["id"], {"SUCCEEDED"}, timeout_s=500)
+    assert done["attempts"] == 2
+    ev = events(url, run["id"])
+    hangs = [e for e in ev if e["kind"] == "hang"]
+    assert len(hangs) == 1, ev
+    reason = hangs[0]["reason"]
+    assert "rank 1 stuck in compute at step 5" in reason and "injected hang_rank" in reason, reason
+    assert "rank 0 waiting in" in reason, reason
+    attempts = [e["reason"] for e in ev if e["kind"] == "attempt"]
+    assert "restart after failure: hang" in attempts[1], attempts
+    # detected within the timeout + 60 s of the last step before the hang (both server-side timestamps)
+    rows = httpx.get(f"{url}/v1/runs/{run['id']}/metrics", params={"attempt": 1}, timeout=30).json()["items"]
+    from datetime import datetime
+    last = max(datetime.fromisoformat(r["time"]) for r in rows if r["step"] == 4)
+    assert (datetime.fromisoformat(hangs[0]["time"]) - last).total_seconds() < 10 + 60
+    steps = [r["step"] for r in httpx.get(f"{url}/v1/runs/{run['id']}/metrics", timeout=30).json()["items"]]
+    assert steps == list(range(1, 9))
+    arts = httpx.get(f"{url}/v1/runs/{run['id']}/artifacts", timeout=30).json()["items"]
+    assert {a["name"] for a in arts if a["kind"] == "stacks"} == {"stacks/rank0.txt", "stacks/rank1.txt"}
+
+
+def test_profile_on_demand_gives_a_chrome_trace_per_rank(live_service, tmp_path):
+    url = live_service.url
+    run = submit(url, tiny_spec("obs-profile", dp=2, steps=2000))
+    wait_for_step(url, run["id"], 2, timeout_s=300)
+    p = meshrun(url, "profile", run["id"], "--steps", "2")
+    assert p.returncode == 0 and "profiling the next 2 steps" in p.stdout, p.stdout + p.stderr
+    with sdk.Client(url, timeout=30) as c:
+        deadline = time.monotonic() + 240
+        while len([a for a in c.runs.artifacts(run["id"]) if a.kind == "profile"]) < 2:
+            assert time.monotonic() < deadline, c.runs.artifacts(run["id"])
+            time.sleep(1)
+        traces = [a for a in c.runs.artifacts(run["id"]) if a.kind == "profile"]
+        assert sorted(a.rank for a in traces) == [0, 1]
+        for a in traces:
+            assert a.name.startswith("profile/steps_") and a.name.endswith(f"rank{a.rank}.trace.json")
+            r = httpx.get(f"{url}/v1/runs/{run['id']}/artifacts/{a.name}", timeout=60)
+            assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
+            trace = r.json()
+            assert isinstance(trace["traceEvents"], list) and trace["traceEvents"]
+            assert any(e.get("ph") == "X" for e in trace["traceEvents"])  # complete events with a duration
+        c.runs.cancel(run["id"])
+    p = meshrun(url, "artifact", run["id"])
+    assert p.returncode == 0 and "rank0.trace.json" in p.stdout, p.stdout + p.stderr
+    p = meshrun(url, "artifact", run["id"], traces[0].name, "-o", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert "traceEvents" in json.loads((tmp_path / Path(traces[0].name).name).read_text())
+    r = httpx.post(f"{url}/v1/runs/{run['id']}/profile", json={"steps": 2}, timeout=30)
+    assert r.status_code == 409 and r.json()["error"]["param"] == "status"  # not running any more
+    assert httpx.get(f"{url}/v1/runs/{run['id']}/artifacts/nope.json", timeout=30).status_code == 404
