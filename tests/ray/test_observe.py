@@ -1,5 +1,6 @@
-"""Where the time goes, end to end on the live service: the measured breakdown through REST, the SDK and the CLI,
-and a straggler event for a rank slowed by ``faults.slow_rank`` (its compute, not its step time, is compared)."""
+"""Where the time goes, end to end on the live service: the measured breakdown through REST, the SDK and the CLI;
+a straggler event for a rank slowed by ``faults.slow_rank`` (its compute, not its step time, is compared); a
+profile on demand (a Chrome trace per rank, as run artifacts); a hung rank diagnosed and recovered from."""
 
 from __future__ import annotations
 
@@ -25,13 +26,29 @@ def meshrun(url: str, *args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
 
 
+def _artifacts(url: str, run_id: str, kind: str) -> list[dict]:
+    r = httpx.get(f"{url}/v1/runs/{run_id}/artifacts", timeout=30)
+    assert r.status_code == 200, r.text
+    return [a for a in r.json()["items"] if a["kind"] == kind]
+
+
 @pytest.fixture(scope="module")
 def slow_rank_run(live_service):
-    """dp2 (zero 0) where rank 1 sleeps 0.25 s inside its compute phase every step."""
+    """One long dp2 (zero 0) run where rank 1 sleeps 0.25 s inside its compute phase every step: once it ran a few
+    steps, a profile of 2 steps is requested (CLI); when the traces and a straggler event are in, it is cancelled."""
     url = live_service.url
-    spec = tiny_spec("obs-slow-rank", dp=2, steps=14, faults={"slow_rank": {"rank": 1, "delay_s": 0.25}})
+    spec = tiny_spec("obs-slow-rank", dp=2, steps=2000, faults={"slow_rank": {"rank": 1, "delay_s": 0.25}})
     run = submit(url, spec)
-    return wait_for(url, run["id"], {"SUCCEEDED"}, timeout_s=400)
+    wait_for_step(url, run["id"], 2, timeout_s=300)
+    p = meshrun(url, "profile", run["id"], "--steps", "2")
+    assert p.returncode == 0 and "profiling the next 2 steps" in p.stdout, p.stdout + p.stderr
+    deadline = time.monotonic() + 300
+    while len(_artifacts(url, run["id"], "profile")) < 2 or not [e for e in events(url, run["id"])
+                                                                  if e["kind"] == "straggler"]:
+        assert time.monotonic() < deadline, (_artifacts(url, run["id"], "profile"), events(url, run["id"]))
+        time.sleep(1)
+    assert httpx.post(f"{url}/v1/runs/{run['id']}/cancel", timeout=60).json()["status"] == "CANCELLED"
+    return wait_for(url, run["id"], {"CANCELLED"}, timeout_s=120)
 
 
 def test_breakdown_over_rest_sdk_and_cli(live_service, slow_rank_run):
@@ -114,32 +131,24 @@ def test_hung_rank_is_diagnosed_and_the_run_recovers(live_service):
     assert {a["name"] for a in arts if a["kind"] == "stacks"} == {"stacks/rank0.txt", "stacks/rank1.txt"}
 
 
-def test_profile_on_demand_gives_a_chrome_trace_per_rank(live_service, tmp_path):
-    url = live_service.url
-    run = submit(url, tiny_spec("obs-profile", dp=2, steps=2000))
-    wait_for_step(url, run["id"], 2, timeout_s=300)
-    p = meshrun(url, "profile", run["id"], "--steps", "2")
-    assert p.returncode == 0 and "profiling the next 2 steps" in p.stdout, p.stdout + p.stderr
+def test_profile_on_demand_gives_a_chrome_trace_per_rank(live_service, slow_rank_run, tmp_path):
+    url, run_id = live_service.url, slow_rank_run["id"]
     with sdk.Client(url, timeout=30) as c:
-        deadline = time.monotonic() + 240
-        while len([a for a in c.runs.artifacts(run["id"]) if a.kind == "profile"]) < 2:
-            assert time.monotonic() < deadline, c.runs.artifacts(run["id"])
-            time.sleep(1)
-        traces = [a for a in c.runs.artifacts(run["id"]) if a.kind == "profile"]
+        traces = [a for a in c.runs.artifacts(run_id) if a.kind == "profile"]
         assert sorted(a.rank for a in traces) == [0, 1]
         for a in traces:
             assert a.name.startswith("profile/steps_") and a.name.endswith(f"rank{a.rank}.trace.json")
-            r = httpx.get(f"{url}/v1/runs/{run['id']}/artifacts/{a.name}", timeout=60)
+            r = httpx.get(f"{url}/v1/runs/{run_id}/artifacts/{a.name}", timeout=60)
             assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
             trace = r.json()
             assert isinstance(trace["traceEvents"], list) and trace["traceEvents"]
             assert any(e.get("ph") == "X" for e in trace["traceEvents"])  # complete events with a duration
-        c.runs.cancel(run["id"])
-    p = meshrun(url, "artifact", run["id"])
+            assert c.runs.artifact(run_id, a.name)["traceEvents"]
+    p = meshrun(url, "artifact", run_id)
     assert p.returncode == 0 and "rank0.trace.json" in p.stdout, p.stdout + p.stderr
-    p = meshrun(url, "artifact", run["id"], traces[0].name, "-o", str(tmp_path))
+    p = meshrun(url, "artifact", run_id, traces[0].name, "-o", str(tmp_path))
     assert p.returncode == 0, p.stderr
     assert "traceEvents" in json.loads((tmp_path / Path(traces[0].name).name).read_text())
-    r = httpx.post(f"{url}/v1/runs/{run['id']}/profile", json={"steps": 2}, timeout=30)
+    r = httpx.post(f"{url}/v1/runs/{run_id}/profile", json={"steps": 2}, timeout=30)
     assert r.status_code == 409 and r.json()["error"]["param"] == "status"  # not running any more
-    assert httpx.get(f"{url}/v1/runs/{run['id']}/artifacts/nope.json", timeout=30).status_code == 404
+    assert httpx.get(f"{url}/v1/runs/{run_id}/artifacts/nope.json", timeout=30).status_code == 404
