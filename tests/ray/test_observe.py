@@ -152,3 +152,33 @@ def test_profile_on_demand_gives_a_chrome_trace_per_rank(live_service, slow_rank
     r = httpx.post(f"{url}/v1/runs/{run_id}/profile", json={"steps": 2}, timeout=30)
     assert r.status_code == 409 and r.json()["error"]["param"] == "status"  # not running any more
     assert httpx.get(f"{url}/v1/runs/{run_id}/artifacts/nope.json", timeout=30).status_code == 404
+
+
+def test_calibration_from_a_measured_run_lowers_the_planners_error_term_by_term(live_service):
+    """A fault-free tp2 run's measured breakdown as a calibration observation: fitting the planner's factors to it
+    lowers the error of its throughput and of its terms taken together (CPU, gloo). Runs with faults are left
+    out."""
+    from api.spec import Plan
+    from service.store.calibrations import fit_factors
+    from service.store.db import session_scope
+    from service.store.run_calibration import observation_from_run
+
+    url = live_service.url
+    run = submit(url, tiny_spec("obs-calib-tp2", tp=2, steps=10))
+    wait_for(url, run["id"], {"SUCCEEDED"}, timeout_s=400)
+    cluster = live_service.runtime.planning_cluster()
+    assert cluster is not None
+    with session_scope(live_service.session_factory) as s:
+        from service import store
+
+        obs = observation_from_run(s, store.get_run(s, run_id=run["id"]))
+        faulty = [observation_from_run(s, r) for r in store.list_runs(s, name="obs-hang", limit=5)[0]]
+        start = Plan.model_validate(store.get_run(s, run_id=run["id"]).plan).predicted
+    assert obs is not None and not any(faulty)
+    assert obs.terms()["compute"] > 0 and obs.terms()["tp_comm"] > 0 and start is not None
+    fit = fit_factors([obs], cluster)
+    assert fit.error_after < fit.error_before
+    assert fit.fitted  # the factors the measurement moved, named (what /v1/plans reports as measured)
+    terms = set(fit.term_error_before)
+    assert {"compute", "tp_comm"} <= terms
+    assert sum(fit.term_error_after[t] for t in terms) < sum(fit.term_error_before[t] for t in terms)
