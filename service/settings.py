@@ -96,6 +96,12 @@ class Settings(BaseSettings):
     request_queue_timeout_s: float = Field(
         30.0, gt=0, le=600, description="How long a queued request waits before a 503 with Retry-After."
     )
+    calibrate_from_runs: bool = Field(
+        False,
+        description="MESHRUN_CALIBRATE_FROM_RUNS: refit the planner's factors term by term (compute, TP/PP/DP "
+        "communication, bubble, optimizer, overhead) from the measured breakdowns of the latest finished runs, "
+        "at most once a minute after a run finished; /v1/plans then names the measured factors and when.",
+    )
     log_json: bool = False
     log_level: str = "INFO"
     start_scheduler: bool = Field(True, description="Run admission/reconcile loops in the API process.")

@@ -257,6 +257,14 @@ class ResourcesSpec(_Spec):
     device: Literal["auto", "cpu", "gpu"] = "auto"
     cpus_per_worker: float = Field(1, gt=0, le=1024)
     max_failures: int = Field(0, ge=-1, le=1000, description="Worker-group restarts allowed (-1: unlimited).")
+    hang_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        le=7 * 86400,
+        description="No step completed for this long on any rank = a hang: every rank's stack is dumped, the attempt "
+        "fails with where each rank is stuck, and max_failures decides whether it restarts from the latest "
+        "checkpoint. Null: max(300 s, 20 x the slowest measured step). Counted from the attempt's first step.",
+    )
     priority: int = Field(0, ge=-1000, le=1000, description="Higher runs first; FIFO within a priority.")
 
 

@@ -66,12 +66,16 @@ class RunChannel:
         self.stop_requested = False
         self.preempt_reason: str | None = None
         self.ranks: dict[int, dict[str, Any]] = {}
+        self.states: dict[int, dict[str, Any]] = {}  # rank -> latest "where am I" snapshot of the current attempt
+        self.profile_steps = 0  # a profile request not yet handed to rank 0
+        self.hang_text: str | None = None  # the driver's diagnosis of the current attempt's hang
 
     def begin_attempt(self, info: dict[str, Any]) -> int:
         """Rank 0 calls this once per worker-group start; returns the attempt number."""
         self.attempt += 1
         cause = info.get("cause") or (f"restart after failure: {self.last_error}" if self.last_error else "start")
         self.ranks = {int(r["rank"]): r for r in info.get("ranks", [])}
+        self.states, self.hang_text = {}, None
         self.events.append(
             {
                 "type": "attempt",
@@ -91,7 +95,7 @@ class RunChannel:
         self.events.append({"type": "checkpoint", "attempt": self.attempt, **info})
 
     def worker_error(self, text: str) -> None:
-        self.last_error = text
+        self.last_error = self.hang_text or text  # a diagnosed hang explains the workers' error better
         self.worker_errors.append(text)
         self.events.append({"type": "worker_error", "attempt": self.attempt, "text": text})
 
@@ -127,6 +131,29 @@ class RunChannel:
 
     def should_stop(self) -> bool:
         return self.stop_requested
+
+    # diagnostics (``workers.ray_worker._channel_hooks``): heartbeats, artifacts, control of rank 0
+    def rank_state(self, attempt: int, snapshot: dict[str, Any]) -> None:
+        if attempt == self.attempt:
+            self.states[int(snapshot.get("rank", -1))] = snapshot
+
+    def rank_states(self) -> dict[str, Any]:
+        return {"attempt": self.attempt, "states": list(self.states.values()), "ranks": list(self.ranks.values())}
+
+    def hang(self, text: str) -> None:
+        """The driver diagnosed a hang of the current attempt (and is about to end it)."""
+        self.hang_text = self.last_error = text
+
+    def artifact(self, attempt: int, rank: int | None, name: str, text: str) -> None:
+        self.events.append({"type": "artifact", "attempt": attempt, "rank": rank, "name": name, "text": text})
+
+    def request_profile(self, steps: int) -> None:
+        self.profile_steps = max(self.profile_steps, int(steps))
+
+    def control(self) -> dict[str, Any]:
+        """Rank 0 polls this at every report: stop, or profile the next k steps (handed out once)."""
+        steps, self.profile_steps = self.profile_steps, 0
+        return {"stop": self.stop_requested, "profile_steps": steps}
 
 
 RunChannelActor = ray.remote(num_cpus=0, max_restarts=0)(RunChannel)

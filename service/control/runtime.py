@@ -30,6 +30,7 @@ from service.control.recovery import requeue_lost_runs
 from service.control.scheduler import Scheduler
 from service.settings import Settings
 from service.store.db import session_scope
+from service.store.run_calibration import calibrate_from_runs
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,9 @@ class RayHealth:
     checked_at: float
 
 
+CALIBRATE_EVERY_S = 60.0  # at most this often: fit the planner to newly finished runs (settings.calibrate_from_runs)
+
+
 class Runtime:
     def __init__(
         self, settings: Settings, session_factory: sessionmaker[Session], *, cluster: RayCluster | None = None
@@ -64,6 +68,7 @@ class Runtime:
         self._nodes_cache: tuple[float, list[NodeView]] | None = None
         self._health: RayHealth | None = None
         self._health_lock = threading.Lock()
+        self._calibrated_at = 0.0
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -120,6 +125,21 @@ class Runtime:
                 sweeps.start_queued_sweeps(self)
             except Exception:
                 logger.exception("sweep reconcile/admission failed")
+        if self.settings.calibrate_from_runs and time.monotonic() - self._calibrated_at >= CALIBRATE_EVERY_S:
+            self._calibrated_at = time.monotonic()
+            self.calibrate_from_runs()
+
+    def calibrate_from_runs(self) -> None:
+        """Fit the planner's factors term by term to the latest finished runs' measured breakdowns, when a run
+        finished since the cluster's latest calibration (``service.store.run_calibration``)."""
+        cluster = self.planning_cluster()
+        if cluster is None:
+            return
+        try:
+            with session_scope(self.factory) as s:
+                calibrate_from_runs(s, cluster=cluster, only_if_new=True)
+        except Exception:
+            logger.exception("calibrating the planner from finished runs failed")
 
     def _restart_head(self) -> None:
         """The owned head died: start it again on its ports, then requeue its runs to resume (``recovery``)."""

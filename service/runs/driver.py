@@ -125,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         train_run_name=name,
         job_id=os.environ.get(JOB_ID_ENV) or None,
         on_revoked=lambda: os.kill(os.getpid(), signal.SIGTERM),  # ends fit(); its workers end with this driver
+        data_dir=str(settings.data_dir),
+        hang_timeout_s=spec.resources.hang_timeout_s,
     )
     if not life.start(f"driver started (Ray Job {os.environ.get(JOB_ID_ENV) or '?'})"):
         return 0

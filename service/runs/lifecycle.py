@@ -27,11 +27,12 @@ import json
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import ray
 from ray.actor import ActorHandle
@@ -42,12 +43,15 @@ from api.spec import RunStatus
 from api.spec.metrics import PEAK_MEMORY_PER_RANK, SYNC_ALERT
 from service import store
 from service.cluster.jobs import format_worker_exceptions, open_channel, trim
+from service.runs.hangs import diagnose, dump_and_kill, state_dir
 from service.runs.watch import HangWatch, StragglerWatch
+from service.store.artifacts import PROFILE_REQUEST, add_artifact
 from service.store.db import session_scope
 
 logger = logging.getLogger(__name__)
 
 DRAIN_INTERVAL_S = 0.5
+STATES_INTERVAL_S = 2.0  # how often the driver reads the ranks' heartbeats (hang watch)
 DRAIN_TIMEOUT_S = 30.0
 
 
@@ -116,6 +120,15 @@ class Recorder:
                     store.add_event(s, run_id=self.run_id, kind=str(ev["kind"]), reason=trim(str(ev["reason"])))
                 elif kind == "done":
                     self.summary = ev.get("summary") or {}
+                elif kind == "artifact":
+                    add_artifact(
+                        s,
+                        run_id=self.run_id,
+                        attempt=int(ev["attempt"]),
+                        rank=ev.get("rank"),
+                        name=str(ev["name"]),
+                        content=str(ev.get("text") or "").encode(),
+                    )
 
     def _attempt(self, s: Session, ev: dict[str, Any]) -> None:
         """A new worker group: the previous attempt (if any) failed; record the new one and where its ranks run."""
@@ -282,7 +295,10 @@ class RunLifecycle:
     train_run_name: str | None = None
     job_id: str | None = None
     on_revoked: Callable[[], None] | None = None
+    data_dir: str | None = None  # the service's data_dir (where the workers keep state and stack files)
+    hang_timeout_s: float | None = None  # the spec's resources.hang_timeout_s (None: derived from step times)
     recorder: Recorder = field(init=False)
+    requests_seen: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.recorder = Recorder(self.factory, self.run_id, train_run_name=self.train_run_name, job_id=self.job_id)
@@ -320,12 +336,21 @@ class RunLifecycle:
         handle = open_channel(self.run_id, first_attempt)
         stop = threading.Event()
 
+        self.recorder.hangs.timeout_s = self.hang_timeout_s
+        self.requests_seen = self._latest_request_id()
+
         def loop() -> None:
+            last_states = 0.0
             while not stop.wait(DRAIN_INTERVAL_S):
                 self.recorder.drain(handle)
                 if self.recorder.revoked and self.on_revoked is not None:
                     self.on_revoked()
                     return
+                now = time.monotonic()
+                if now - last_states >= STATES_INTERVAL_S:
+                    last_states = now
+                    self.watch_hang(handle, now)
+                    self.forward_requests(handle)
 
         drainer = threading.Thread(target=loop, daemon=True, name=f"drain-{self.run_id}")
         drainer.start()
@@ -336,10 +361,69 @@ class RunLifecycle:
             drainer.join(timeout=5)
             self.recorder.drain(handle)
 
+    def _latest_request_id(self) -> int:
+        with session_scope(self.factory) as s:
+            evs = store.list_events(s, run_id=self.run_id, kinds=[PROFILE_REQUEST], limit=1, newest_first=True)
+            return evs[0].id if evs else 0
+
+    def forward_requests(self, channel: ActorHandle) -> None:
+        """Profile requests (``POST /v1/runs/{id}/profile`` stores them as events) -> the channel, which hands
+        them to rank 0 at its next report."""
+        try:
+            with session_scope(self.factory) as s:
+                evs = store.list_events(s, run_id=self.run_id, kinds=[PROFILE_REQUEST], limit=20, newest_first=True)
+                new = [(e.id, e.reason or "") for e in evs if e.id > self.requests_seen]
+            for eid, reason in sorted(new):
+                m = re.search(r"profile (\d+) steps", reason)
+                if m:
+                    ray.get(channel.request_profile.remote(int(m.group(1))), timeout=DRAIN_TIMEOUT_S)
+                self.requests_seen = max(self.requests_seen, eid)
+        except Exception:
+            logger.exception("forwarding profile requests of run %s failed", self.run_id)
+
+    def watch_hang(self, channel: ActorHandle, now: float) -> None:
+        """Read the ranks' heartbeats; on no step for the hang timeout: dump every rank's stack (stored as
+        artifacts), record the diagnosis (event ``hang``, the attempt's failure cause) and kill the ranks, so
+        that Ray Train's recovery takes over. Failures are logged: the next round retries."""
+        try:
+            info = cast(dict[str, Any], ray.get(channel.rank_states.remote(), timeout=DRAIN_TIMEOUT_S))
+            watch = self.recorder.hangs
+            watch.states(int(info["attempt"]), info["states"], now)
+            if not watch.hung(now):
+                return
+            watch.fired = True
+            attempt = int(info["attempt"])
+            stuck_s = now - (watch.progress_at or now)
+            reason = trim(diagnose(info["states"], world_size=len(info["ranks"]), timeout_s=stuck_s))
+            logger.error("run %s attempt %d: %s", self.run_id, attempt, reason)
+            ray.get(channel.hang.remote(reason), timeout=DRAIN_TIMEOUT_S)
+            self.recorder.hang_reasons[attempt] = reason
+            sdir = state_dir(self.data_dir, self.run_id, attempt) if self.data_dir else None
+            dumps = dump_and_kill(info["ranks"], stacks_dir=sdir)
+            with self.recorder.lock, session_scope(self.factory) as s:
+                store.add_event(s, run_id=self.run_id, kind="hang", reason=f"attempt {attempt}: {reason}")
+                for rank, text in dumps.items():
+                    add_artifact(
+                        s,
+                        run_id=self.run_id,
+                        attempt=attempt,
+                        rank=rank,
+                        name=f"stacks/rank{rank}.txt",
+                        content=text.encode(),
+                    )
+        except Exception:
+            logger.exception("watching run %s for hangs failed", self.run_id)
+
     def failed(self, error: BaseException) -> Outcome:
         """FAILED with the workers' error (call after the channel's last drain, which brings their reports)."""
         text = failure_text(error, self.recorder.worker_errors)
         return Outcome(RunStatus.FAILED, f"training failed: {one_sentence(text)}", detail=trim(text, 20_000))
+        """FAILED with the workers' error (call after the channel's last drain, which brings their reports); a
+        hang the driver diagnosed in the last attempt is the better explanation."""
+        hang = self.recorder.hang_reasons.get(self.recorder.current_attempt or 0)
+        if hang:
+            return Outcome(RunStatus.FAILED, trim(f"training failed: {hang}"))
+        return Outcome(RunStatus.FAILED, trim(f"training failed: {failure_text(error, self.recorder.worker_errors)}"))
 
     def summary(self, session: Session, *, wall_s: float | None) -> dict[str, Any]:
         return run_summary(

@@ -14,6 +14,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -273,3 +274,21 @@ class ApiToken(Base):
     can_run_code: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column()
+
+
+class Artifact(Base):
+    """A file a run produced for diagnosis: a profile's Chrome trace, a pipeline timeline, a hang's stack dump.
+    Stored gzip-compressed (``content``); ``size_bytes`` is the uncompressed size."""
+
+    __tablename__ = "artifacts"
+    __table_args__ = (UniqueConstraint("run_id", "attempt", "name"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer, default=1)
+    rank: Mapped[int | None] = mapped_column(Integer)
+    name: Mapped[str] = mapped_column(String(512))
+    kind: Mapped[str] = mapped_column(String(32), default="file")
+    size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    content: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -1,5 +1,6 @@
-"""Where the time goes, end to end on the live service: the measured breakdown through REST, the SDK and the CLI,
-and a straggler event for a rank slowed by ``faults.slow_rank`` (its compute, not its step time, is compared)."""
+"""Where the time goes, end to end on the live service: the measured breakdown through REST, the SDK and the CLI;
+a straggler event for a rank slowed by ``faults.slow_rank`` (its compute, not its step time, is compared); a
+profile on demand (a Chrome trace per rank, as run artifacts); a hung rank diagnosed and recovered from."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from api import client as sdk
-from tests.ray.helpers import events, submit, tiny_spec, wait_for
+from tests.ray.helpers import events, submit, tiny_spec, wait_for, wait_for_step
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,13 +26,29 @@ def meshrun(url: str, *args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
 
 
+def _artifacts(url: str, run_id: str, kind: str) -> list[dict]:
+    r = httpx.get(f"{url}/v1/runs/{run_id}/artifacts", timeout=30)
+    assert r.status_code == 200, r.text
+    return [a for a in r.json()["items"] if a["kind"] == kind]
+
+
 @pytest.fixture(scope="module")
 def slow_rank_run(live_service):
-    """dp2 (zero 0) where rank 1 sleeps 0.25 s inside its compute phase every step."""
+    """One long dp2 (zero 0) run where rank 1 sleeps 0.25 s inside its compute phase every step: once it ran a few
+    steps, a profile of 2 steps is requested (CLI); when the traces and a straggler event are in, it is cancelled."""
     url = live_service.url
-    spec = tiny_spec("obs-slow-rank", dp=2, steps=14, faults={"slow_rank": {"rank": 1, "delay_s": 0.25}})
+    spec = tiny_spec("obs-slow-rank", dp=2, steps=2000, faults={"slow_rank": {"rank": 1, "delay_s": 0.25}})
     run = submit(url, spec)
-    return wait_for(url, run["id"], {"SUCCEEDED"}, timeout_s=400)
+    wait_for_step(url, run["id"], 2, timeout_s=300)
+    p = meshrun(url, "profile", run["id"], "--steps", "2")
+    assert p.returncode == 0 and "profiling the next 2 steps" in p.stdout, p.stdout + p.stderr
+    deadline = time.monotonic() + 300
+    while len(_artifacts(url, run["id"], "profile")) < 2 or not [e for e in events(url, run["id"])
+                                                                  if e["kind"] == "straggler"]:
+        assert time.monotonic() < deadline, (_artifacts(url, run["id"], "profile"), events(url, run["id"]))
+        time.sleep(1)
+    assert httpx.post(f"{url}/v1/runs/{run['id']}/cancel", timeout=60).json()["status"] == "CANCELLED"
+    return wait_for(url, run["id"], {"CANCELLED"}, timeout_s=120)
 
 
 def test_breakdown_over_rest_sdk_and_cli(live_service, slow_rank_run):
@@ -81,3 +99,86 @@ def test_slow_rank_raises_a_straggler_event_naming_it(live_service, slow_rank_ru
     node = slow_rank_run["rank_nodes"]["1"]
     assert f"on node {node[:12]}" in items[0]["reason"] and "x)" in items[0]["reason"]
     assert not [e for e in events(url, run_id) if e["kind"] == "straggler" and "rank 0" in e["reason"]]
+
+
+def test_hung_rank_is_diagnosed_and_the_run_recovers(live_service):
+    """faults.hang_rank blocks rank 1 in compute at step 5 (first attempt only): the driver sees no step for
+    hang_timeout_s, dumps the stacks, fails the attempt naming where each rank is, and Ray Train restarts from the
+    step-4 checkpoint; the run succeeds with every step once."""
+    url = live_service.url
+    spec = tiny_spec("obs-hang", dp=2, steps=8, faults={"hang_rank": {"rank": 1, "at_step": 5}},
+                     checkpoint={"every_steps": 2, "keep": 2},
+                     resources={"device": "cpu", "cpus_per_worker": 1, "max_failures": 1, "hang_timeout_s": 10})
+    run = submit(url, spec)
+    done = wait_for(url, run["id"], {"SUCCEEDED"}, timeout_s=500)
+    assert done["attempts"] == 2
+    ev = events(url, run["id"])
+    hangs = [e for e in ev if e["kind"] == "hang"]
+    assert len(hangs) == 1, ev
+    reason = hangs[0]["reason"]
+    assert "rank 1 stuck in compute at step 5" in reason and "injected hang_rank" in reason, reason
+    assert "rank 0 waiting in" in reason, reason
+    attempts = [e["reason"] for e in ev if e["kind"] == "attempt"]
+    assert "restart after failure: hang" in attempts[1], attempts
+    # detected within the timeout + 60 s of the last step before the hang (both server-side timestamps)
+    rows = httpx.get(f"{url}/v1/runs/{run['id']}/metrics", params={"attempt": 1}, timeout=30).json()["items"]
+    from datetime import datetime
+    last = max(datetime.fromisoformat(r["time"]) for r in rows if r["step"] == 4)
+    assert (datetime.fromisoformat(hangs[0]["time"]) - last).total_seconds() < 10 + 60
+    steps = [r["step"] for r in httpx.get(f"{url}/v1/runs/{run['id']}/metrics", timeout=30).json()["items"]]
+    assert steps == list(range(1, 9))
+    arts = httpx.get(f"{url}/v1/runs/{run['id']}/artifacts", timeout=30).json()["items"]
+    assert {a["name"] for a in arts if a["kind"] == "stacks"} == {"stacks/rank0.txt", "stacks/rank1.txt"}
+
+
+def test_profile_on_demand_gives_a_chrome_trace_per_rank(live_service, slow_rank_run, tmp_path):
+    url, run_id = live_service.url, slow_rank_run["id"]
+    with sdk.Client(url, timeout=30) as c:
+        traces = [a for a in c.runs.artifacts(run_id) if a.kind == "profile"]
+        assert sorted(a.rank for a in traces) == [0, 1]
+        for a in traces:
+            assert a.name.startswith("profile/steps_") and a.name.endswith(f"rank{a.rank}.trace.json")
+            r = httpx.get(f"{url}/v1/runs/{run_id}/artifacts/{a.name}", timeout=60)
+            assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
+            trace = r.json()
+            assert isinstance(trace["traceEvents"], list) and trace["traceEvents"]
+            assert any(e.get("ph") == "X" for e in trace["traceEvents"])  # complete events with a duration
+            assert c.runs.artifact(run_id, a.name)["traceEvents"]
+    p = meshrun(url, "artifact", run_id)
+    assert p.returncode == 0 and "rank0.trace.json" in p.stdout, p.stdout + p.stderr
+    p = meshrun(url, "artifact", run_id, traces[0].name, "-o", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert "traceEvents" in json.loads((tmp_path / Path(traces[0].name).name).read_text())
+    r = httpx.post(f"{url}/v1/runs/{run_id}/profile", json={"steps": 2}, timeout=30)
+    assert r.status_code == 409 and r.json()["error"]["param"] == "status"  # not running any more
+    assert httpx.get(f"{url}/v1/runs/{run_id}/artifacts/nope.json", timeout=30).status_code == 404
+
+
+def test_calibration_from_a_measured_run_lowers_the_planners_error_term_by_term(live_service):
+    """A fault-free tp2 run's measured breakdown as a calibration observation: fitting the planner's factors to it
+    lowers the error of its throughput and of its terms taken together (CPU, gloo). Runs with faults are left
+    out."""
+    from api.spec import Plan
+    from service.store.calibrations import fit_factors
+    from service.store.db import session_scope
+    from service.store.run_calibration import observation_from_run
+
+    url = live_service.url
+    run = submit(url, tiny_spec("obs-calib-tp2", tp=2, steps=10))
+    wait_for(url, run["id"], {"SUCCEEDED"}, timeout_s=400)
+    cluster = live_service.runtime.planning_cluster()
+    assert cluster is not None
+    with session_scope(live_service.session_factory) as s:
+        from service import store
+
+        obs = observation_from_run(s, store.get_run(s, run_id=run["id"]))
+        faulty = [observation_from_run(s, r) for r in store.list_runs(s, name="obs-hang", limit=5)[0]]
+        start = Plan.model_validate(store.get_run(s, run_id=run["id"]).plan).predicted
+    assert obs is not None and not any(faulty)
+    assert obs.terms()["compute"] > 0 and obs.terms()["tp_comm"] > 0 and start is not None
+    fit = fit_factors([obs], cluster)
+    assert fit.error_after < fit.error_before
+    assert fit.fitted  # the factors the measurement moved, named (what /v1/plans reports as measured)
+    terms = set(fit.term_error_before)
+    assert {"compute", "tp_comm"} <= terms
+    assert sum(fit.term_error_after[t] for t in terms) < sum(fit.term_error_before[t] for t in terms)

@@ -13,7 +13,7 @@ from service.store.models import Base
 from tests.service.pg import postgres_database
 
 TABLES = {"runs", "run_attempts", "metrics", "run_events", "checkpoints", "sweeps", "trials", "calibrations",
-          "run_stats", "api_tokens", "console_sessions", "sweep_events"}
+          "run_stats", "api_tokens", "console_sessions", "sweep_events", "artifacts"}
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
