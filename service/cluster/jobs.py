@@ -125,10 +125,6 @@ class RunChannel:
         """The service wants the workers back: checkpoint at the next report, then stop (the run is re-queued)."""
         self.preempt_reason = reason
 
-    def control(self) -> dict[str, Any]:
-        """What rank 0 polls at each report: a stop, or a preemption with its reason."""
-        return {"stop": self.stop_requested, "preempt": self.preempt_reason}
-
     def should_stop(self) -> bool:
         return self.stop_requested
 
@@ -151,9 +147,10 @@ class RunChannel:
         self.profile_steps = max(self.profile_steps, int(steps))
 
     def control(self) -> dict[str, Any]:
-        """Rank 0 polls this at every report: stop, or profile the next k steps (handed out once)."""
+        """Rank 0 polls this at every report: stop, a preemption with its reason (checkpoint, then stop), or profile
+        the next k steps (handed out once)."""
         steps, self.profile_steps = self.profile_steps, 0
-        return {"stop": self.stop_requested, "profile_steps": steps}
+        return {"stop": self.stop_requested, "preempt": self.preempt_reason, "profile_steps": steps}
 
 
 RunChannelActor = ray.remote(num_cpus=0, max_restarts=0)(RunChannel)
