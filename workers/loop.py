@@ -355,6 +355,8 @@ def _train(
                     on_checkpoint(step, last_ckpt)
             if reporter.preempted_ranks and not ckpt_due and job.checkpoint_dir:
                 state.set_phase("checkpoint")  # the emergency checkpoint of a preemption notice
+                if averager is not None:  # every rank is here (the vote was all-gathered): average the replicas
+                    averager.maybe_sync(step, force=True)
                 with tracker.paused():
                     last_ckpt = _save(job, step, model_parts, optimizers, schedulers, batches, plan, spec)
                 if on_checkpoint is not None and last_ckpt is not None:

@@ -138,10 +138,14 @@ class Scheduler:
             queue = [Candidate(id=r.id, plan=r.plan, priority=r.priority or 0, queued_at=r.created_at) for r in queued]
             runs = {r.id: (r.name, r.project, r.ray_job_id, r.attempts or 0) for r in queued}
             trials = {r.id for r in queued if r.sweep_id}
+            # sweep trials share their sweep's Ray Job and cannot checkpoint-and-yield: never preemption victims
             holding = [
                 Holding(r.id, r.project, r.priority or 0, r.plan, dict(r.rank_nodes or {}), r.started_at)
                 for r in store.active_runs(s)
+                if not r.sweep_id
             ]
+        # a victim that yielded and came back is a run like any other: it may be asked again
+        self.preempting = {k: v for k, v in self.preempting.items() if k in {h.id for h in holding}}
         if not queue:
             return []
         over = quota_waits(queue, {k: v[1] for k, v in runs.items()}, holding, self.settings.project_max_workers)
@@ -321,10 +325,10 @@ class Scheduler:
         with session_scope(self.factory) as s:
             # queued sweep trials too: their sweep's Ray Job gone, they would block the queue forever
             runs = store.active_runs(s) + [r for r in store.queued_runs(s) if r.sweep_id and r.ray_job_id]
-            active = [(r.id, r.status, r.ray_job_id, dict(r.rank_nodes or {})) for r in runs]
+            active = [(r.id, r.status, r.ray_job_id, dict(r.rank_nodes or {}), bool(r.sweep_id)) for r in runs]
         lost: list[str] = []
         dead: set[str] | None = None
-        for run_id, status, job_id, rank_nodes in active:
+        for run_id, status, job_id, rank_nodes, trial in active:
             stop_after: str | None = None
             if run_id in self.replanning:  # being stopped for an elastic re-plan
                 if job_id and self.jobs.state(job_id).status not in ("PENDING", "RUNNING"):
@@ -358,6 +362,8 @@ class Scheduler:
                     gone = sorted({n for n in rank_nodes.values() if n in dead})
                     if not gone or run_id in self.replanning:
                         continue
+                    if trial:
+                        continue  # a trial's job is its sweep's: the sweep's driver sees its workers die
                     if self._replan(run_id, job_id, gone):
                         continue
                     # Workers are pinned to their nodes: Ray Train would wait forever to restart them there.

@@ -30,7 +30,7 @@ from api.spec import Plan, RunSpec, RunStatus
 from api.spec.validation import build_plan
 from service import store
 from service.cluster.gcs_view import gcs_port_answers
-from service.cluster.jobs import trim
+from service.cluster.jobs import channel_name, trim
 from service.cluster.placement import Placement
 from service.runs.inspect import InspectionFailed, describe, inspect_in_driver
 from service.runs.lifecycle import Outcome, RunLifecycle
@@ -174,11 +174,20 @@ def main(argv: list[str] | None = None) -> int:
         outcome = Outcome(None, f"Ray head lost: {lost}") if lost else life.failed(error)
     elif outcome.status == RunStatus.SUCCEEDED:
         notice = preemption_reason(life.recorder.summary, total_steps=spec.train.steps)
-        if notice is not None and life.requeue(notice):
-            return 0  # back in the queue; the scheduler resumes it from the emergency checkpoint
+        if notice is not None:
+            _drop_channel(run_id)  # the next driver must not find this one's channel with its preemption still set
+            if life.requeue(notice):
+                return 0  # back in the queue; the scheduler resumes it from the emergency checkpoint
     life.finish(outcome, wall_s=time.time() - t0)
     return 0 if outcome.status == RunStatus.SUCCEEDED else 1
 
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _drop_channel(run_id: str) -> None:
+    try:
+        ray.kill(ray.get_actor(channel_name(run_id)))
+    except Exception:
+        logger.debug("run %s: no channel actor to drop", run_id, exc_info=True)

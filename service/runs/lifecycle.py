@@ -385,6 +385,8 @@ class RunLifecycle:
         """Read the ranks' heartbeats; on no step for the hang timeout: dump every rank's stack (stored as
         artifacts), record the diagnosis (event ``hang``, the attempt's failure cause) and kill the ranks, so
         that Ray Train's recovery takes over. Failures are logged: the next round retries."""
+        if self.recorder.revoked:
+            return  # not this driver's attempt any more: the service decides
         try:
             info = cast(dict[str, Any], ray.get(channel.rank_states.remote(), timeout=DRAIN_TIMEOUT_S))
             watch = self.recorder.hangs
@@ -415,15 +417,14 @@ class RunLifecycle:
             logger.exception("watching run %s for hangs failed", self.run_id)
 
     def failed(self, error: BaseException) -> Outcome:
-        """FAILED with the workers' error (call after the channel's last drain, which brings their reports)."""
+        """FAILED with the workers' error (call after the channel's last drain, which brings their reports): one
+        readable sentence as the reason, the whole text kept as an ``error`` event. A hang the driver diagnosed in
+        the last attempt is the better explanation."""
         text = failure_text(error, self.recorder.worker_errors)
-        return Outcome(RunStatus.FAILED, f"training failed: {one_sentence(text)}", detail=trim(text, 20_000))
-        """FAILED with the workers' error (call after the channel's last drain, which brings their reports); a
-        hang the driver diagnosed in the last attempt is the better explanation."""
         hang = self.recorder.hang_reasons.get(self.recorder.current_attempt or 0)
         if hang:
-            return Outcome(RunStatus.FAILED, trim(f"training failed: {hang}"))
-        return Outcome(RunStatus.FAILED, trim(f"training failed: {failure_text(error, self.recorder.worker_errors)}"))
+            return Outcome(RunStatus.FAILED, trim(f"training failed: {hang}"), detail=trim(text, 20_000))
+        return Outcome(RunStatus.FAILED, f"training failed: {one_sentence(text)}", detail=trim(text, 20_000))
 
     def summary(self, session: Session, *, wall_s: float | None) -> dict[str, Any]:
         return run_summary(
@@ -440,6 +441,9 @@ class RunLifecycle:
         meanwhile (a cancel wins)."""
         try:
             with session_scope(self.factory) as s:
+                if not store.fence(s, run_id=self.run_id, job_id=self.job_id):
+                    logger.info("not re-queueing run %s: this driver's attempt was revoked", self.run_id)
+                    return False
                 if self.recorder.current_attempt is not None:
                     store.finish_attempt(
                         s,
@@ -448,7 +452,14 @@ class RunLifecycle:
                         status=RunStatus.PREEMPTED.value,
                         cause=reason[:500],
                     )
-                store.transition(s, run_id=self.run_id, to=RunStatus.PREEMPTED, reason=reason, actor=self.actor)
+                store.transition(
+                    s,
+                    run_id=self.run_id,
+                    to=RunStatus.PREEMPTED,
+                    reason=reason,
+                    actor=self.actor,
+                    allow_from=[RunStatus.RUNNING, RunStatus.STARTING],
+                )
                 ck = store.latest_checkpoint(s, run_id=self.run_id)
                 fields: dict[str, Any] = {"resume_from": ck.path} if ck is not None else {}
                 where = f"the checkpoint of step {ck.step}" if ck is not None else "its start (no checkpoint)"
@@ -479,7 +490,7 @@ class RunLifecycle:
                     status=outcome.status.value,
                     cause=None if outcome.status == RunStatus.SUCCEEDED else outcome.reason[:500],
                 )
-            if outcome.detail:
+            if outcome.detail and current:
                 store.add_event(s, run_id=self.run_id, kind="error", reason=outcome.detail, actor=self.actor)
         if outcome.status is not None:
             self.transition(outcome.status, outcome.reason, summary=summary)

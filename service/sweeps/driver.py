@@ -44,7 +44,9 @@ from ray.tune.experiment import Trial as TuneTrial
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.spec import RunStatus, SweepCreate
+from service import store
 from service.runs.lifecycle import Outcome, RunLifecycle
+from service.runs.preemption import preemption_reason
 from service.runs.trainer import build_trainer, placing_phase, train_run_name
 from service.settings import Settings
 from service.store.db import session_scope, shared_sessionmaker
@@ -181,7 +183,12 @@ def run_trial(config: dict[str, Any]) -> None:
         return
     name = train_run_name(tr.run_id, 1)
     life = RunLifecycle(factory, tr.run_id, actor=DRIVER_ACTOR, warmup_steps=tr.warmup_steps, train_run_name=name)
-    life.start(f"trial driver started (Tune trial {tune_trial_id})")
+    if not life.start(f"trial driver started (Tune trial {tune_trial_id})"):  # cancelled since its admission
+        with session_scope(factory) as s:
+            now = RunStatus(store.get_run(s, run_id=tr.run_id).status)
+        m = conclude_trial(factory, tr, Outcome(None, f"ended before its driver started ({now.value})"), external=now)
+        _report(m, tr.objective, run_id=tr.run_id, final=True, failed=True)
+        return
     box: dict[str, Any] = {}
     t0 = time.time()
     with life.channel(first_attempt=1) as channel:
@@ -216,6 +223,9 @@ def run_trial(config: dict[str, Any]) -> None:
         outcome = Outcome(None, f"run ended externally ({external.value})")
     elif box.get("ok") and stop_requested:
         outcome = Outcome(RunStatus.CANCELLED, early_stop_reason(factory, tr.trial_id))
+    elif box.get("ok") and (notice := preemption_reason(life.recorder.summary, total_steps=tr.spec.train.steps)):
+        # a trial cannot checkpoint and come back (its sweep's job moves on): a preempted trial did not finish
+        outcome = Outcome(RunStatus.FAILED, f"trial preempted: {notice}")
     elif box.get("ok"):
         outcome = Outcome.succeeded()
     elif "error" in box:

@@ -23,6 +23,7 @@ and micro-batch only).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -89,7 +90,7 @@ def trial_spec(
 
 
 def _layout_key(layout: Layout, mb: int) -> tuple:
-    return (tuple(sorted(layout.model_dump(mode="json").items())), mb)
+    return (json.dumps(layout.model_dump(mode="json"), sort_keys=True), mb)  # nested fields (outer_optimizer) too
 
 
 def _auto_clusters(create: SweepCreate, cluster: ClusterSpec) -> list[tuple[int, ClusterSpec]]:
