@@ -200,14 +200,15 @@ def test_runs_pages_by_cursor_newest_first(client):
     ]  # offset paging still works
 
 
-def test_events_and_checkpoints_page(client):
+def test_events_and_checkpoints_page(client, tmp_path):
     rid = _submit(client)["id"]
     before = client.get(f"/v1/runs/{rid}/events").json()["items"]
     with client.app.state.session_factory.begin() as s:
         for i in range(25):
             store.add_event(s, run_id=rid, kind="straggler" if i % 5 == 0 else "note", reason=f"event {i}")
         for step in range(10, 130, 10):
-            store.add_checkpoint(s, run_id=rid, attempt=1, step=step, path=f"/ck/{step}")
+            (tmp_path / f"ck{step}").mkdir()  # the listing shows only checkpoints still on disk
+            store.add_checkpoint(s, run_id=rid, attempt=1, step=step, path=str(tmp_path / f"ck{step}"))
     events = [e for p in _pages(client, f"/v1/runs/{rid}/events", {"limit": 4}) for e in p]
     assert events[: len(before)] == before and len(events) == len(before) + 25
     assert len({e["id"] for e in events}) == len(events)
