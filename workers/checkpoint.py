@@ -334,6 +334,8 @@ def save_checkpoint(
     ]
     write_manifest(staging, rank, mine)
     _barrier()
+    # one directory for all ranks (rank 0 publishes it) or one per rank: decided while nobody can have published yet
+    shared = rank != 0 and (staging / manifest_name(0)).exists()
     if rank == 0:
         meta = {
             "format": FORMAT_VERSION,
@@ -347,7 +349,6 @@ def save_checkpoint(
         }
         write_json_atomic(staging / META_FILE, meta)
     _barrier()
-    shared = rank != 0 and (staging / manifest_name(0)).exists()  # one directory for all ranks: rank 0 publishes
     if not shared:
         _publish(staging, path)
     _barrier()

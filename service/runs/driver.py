@@ -79,6 +79,38 @@ def head_lost(address: str | None, *, checks: int = 3) -> str | None:
     return why
 
 
+RAY_SYSTEM_ERRORS = ("ActorUnavailableError", "ActorDiedError", "RaySystemError", "RpcError", "Socket closed")
+HEAD_VERDICT_S = 30.0  # how long a driver whose actors vanished waits for the service's verdict on the head
+
+
+def _ray_system_error(error: BaseException) -> bool:
+    """Ray's own machinery failed (an actor unreachable, a closed socket), not the user's code."""
+    chain: list[BaseException] = []
+    e: BaseException | None = error
+    while e is not None and len(chain) < 10:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    text = " ".join(f"{type(x).__name__}: {x}" for x in chain)
+    return any(k in text for k in RAY_SYSTEM_ERRORS)
+
+
+def _head_verdict(factory: Any, run_id: str, job_id: str | None, address: str | None) -> str | None:
+    """After a Ray system error: was the head lost? The service restarts a dead head within seconds, on the same
+    port, so a GCS port that answers again proves nothing; the service's verdict does: it requeues the runs of a
+    lost head, which revokes this driver (``store.fence``). Waits up to HEAD_VERDICT_S for that (or for the port
+    to refuse), then lets the error stand."""
+    deadline = time.monotonic() + HEAD_VERDICT_S
+    while time.monotonic() < deadline:
+        with session_scope(factory) as s:
+            if not store.fence(s, run_id=run_id, job_id=job_id):
+                return "the service requeued the run after its Ray head was lost"
+        why = gcs_port_answers(address) if address else None
+        if why is not None:
+            return why
+        time.sleep(1.0)
+    return None
+
+
 def _on_term(signum: int, _frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -170,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         outcome = Outcome(RunStatus.CANCELLED, f"Ray Job stopped ({e})")
     if error is not None:
         lost = head_lost(os.environ.get(GCS_ADDRESS_ENV))
+        if not lost and _ray_system_error(error):
+            lost = _head_verdict(factory, run_id, os.environ.get(JOB_ID_ENV) or None, os.environ.get(GCS_ADDRESS_ENV))
         # after the channel's last drain: the workers' errors are recorded
         outcome = Outcome(None, f"Ray head lost: {lost}") if lost else life.failed(error)
     elif outcome.status == RunStatus.SUCCEEDED:
