@@ -111,6 +111,14 @@ def _head_verdict(factory: Any, run_id: str, job_id: str | None, address: str | 
     return None
 
 
+def _drop_channel(run_id: str) -> None:
+    """Kill this run's channel actor, so that the next driver of the run opens a fresh one."""
+    try:
+        ray.kill(ray.get_actor(channel_name(run_id)))
+    except Exception:
+        logger.debug("run %s: no channel actor to drop", run_id, exc_info=True)
+
+
 def _on_term(signum: int, _frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -218,10 +226,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def _drop_channel(run_id: str) -> None:
-    try:
-        ray.kill(ray.get_actor(channel_name(run_id)))
-    except Exception:
-        logger.debug("run %s: no channel actor to drop", run_id, exc_info=True)
