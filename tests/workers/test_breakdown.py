@@ -178,23 +178,20 @@ def _cpu_share(res: dict) -> float:
 
 def test_gpipe_bubble_share_follows_the_schedule(gpipe_runs) -> None:
     p = 2
+    # how much of a core rank 0 got while computing: printed with any failure (a starved machine is the usual cause)
     share = min(_cpu_share(gpipe_runs[m]) for m in MICROBATCHES)
-    if share < 0.8:
-        pytest.skip(
-            f"the machine is too busy to measure a pipeline bubble: rank 0 got {share:.0%} of a core "
-            f"while computing (load average {os.getloadavg()[0]:.1f}); run again on a quieter machine"
-        )
+    load = f"rank 0 got {share:.0%} of a core, load average {os.getloadavg()[0]:.1f}"
     got = {m: _bubble_shares(gpipe_runs[m]["rows"], m) for m in MICROBATCHES}
     shares = {m: g[0] for m, g in got.items()}
     # more micro-batches, a smaller bubble: the schedule's shape, whatever the machine
-    assert shares[2] > shares[4] > shares[8], got
+    assert shares[2] > shares[4] > shares[8], (got, load)
     # with two micro-batches the fill and drain dominate and the measurement follows the schedule given the
     # stages' measured speeds (the textbook (p - 1) / (m + p - 1) when both stages are equally fast)
     measured, expected, imbalance = got[2]
-    assert measured == pytest.approx(expected, rel=0.3), (2, imbalance, (p - 1) / (2 + p - 1), got)
+    assert measured == pytest.approx(expected, rel=0.3), (2, imbalance, (p - 1) / (2 + p - 1), got, load)
     for m, (measured, expected, imbalance) in got.items():
         # a stage can never idle less than the schedule makes it; it idles more when the two stages jitter from
         # micro-batch to micro-batch (each hand-over waits for the slower one), which on shared or SMT CPUs moves
         # the bubble at m = 8 up to twice the textbook figure, so only the lower bound is the physics here
-        assert measured >= 0.7 * expected, (m, imbalance, (p - 1) / (m + p - 1), got)
+        assert measured >= 0.7 * expected, (m, imbalance, (p - 1) / (m + p - 1), got, load)
         assert measured < 0.6, (m, got)  # a bubble that swallows the step is a measurement bug
