@@ -53,6 +53,14 @@ class _Pending:
     admitted_at: float = field(default_factory=time.monotonic)
 
 
+def job_message(message: str) -> str:
+    """Ray's message of an ended job as one line: its first line, without the driver's log tail Ray appends
+    ("Job entrypoint command failed with exit code -9, last available logs (truncated to 20,000 chars): ...")."""
+    first = next((ln.strip() for ln in message.splitlines() if ln.strip()), "")
+    first = first.split(", last available logs", 1)[0].rstrip(" :,.")
+    return first if len(first) <= 300 else first[:297] + "..."
+
+
 class ClusterView(Protocol):
     """What the scheduler reads of the Ray cluster (``service.cluster.head.RayCluster`` is one)."""
 
@@ -353,7 +361,8 @@ class Scheduler:
                 elif state.status not in ("PENDING", "RUNNING"):
                     reason = f"driver lost: Ray Job {job_id} is {state.status}"
                     if state.message:
-                        reason += f": {state.message}"
+                        reason += f": {job_message(state.message)}"
+                    reason += f"; resume it (POST /v1/runs/{run_id}/resume) to continue from its latest checkpoint"
                 else:
                     if status != RunStatus.RUNNING.value or not rank_nodes:
                         continue

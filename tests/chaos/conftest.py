@@ -63,6 +63,27 @@ class OwnedService:
     def head(self) -> ownership.HeadRecord | None:
         return ownership.load_record(self.ray_dir)
 
+    def placement_groups(self) -> list[dict]:
+        """The placement groups of the owned cluster, as Ray's state API lists them (id, state, creator job)."""
+        head = self.head()
+        assert head is not None
+        token = (self.ray_dir / "auth_token").read_text().strip()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{head.dashboard_port}/api/v0/placement_groups?limit=1000&detail=1",
+            headers={"Authorization": f"Bearer {token}"},
+        )
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.loads(r.read().decode())["data"]["result"]["result"]
+
+    def live_placement_groups(self, *, timeout_s: float = 60.0) -> list[dict]:
+        """Placement groups not REMOVED, waiting up to ``timeout_s`` for Ray to remove those of ended jobs."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            live = [pg for pg in self.placement_groups() if pg.get("state") != "REMOVED"]
+            if not live or time.monotonic() > deadline:
+                return live
+            time.sleep(1.0)
+
     def log_tail(self) -> str:
         return "".join(p.read_text(errors="replace")[-4000:] for p in self.logs[-1:])
 
@@ -70,9 +91,15 @@ class OwnedService:
         log = self.data_dir / f"service-{len(self.logs) + 1}.log"
         self.logs.append(log)
         with open(log, "ab") as fh:
-            self.proc = subprocess.Popen([sys.executable, "-m", "api.cli", "serve"], env=self.env, cwd=ROOT,
-                                         stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "api.cli", "serve"],
+                env=self.env,
+                cwd=ROOT,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         _record_pgid(self.proc.pid)
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:

@@ -10,6 +10,8 @@ be hit in the middle):
    ``/healthz`` says the cluster is down, the service starts the head again on the same GCS port and run B resumes
    from its latest checkpoint ("Ray head lost" event) and SUCCEEDS with every step's metrics once;
 3. a graceful stop of the service leaves no process of its head behind.
+
+After each run no placement group is left (all REMOVED).
 """
 
 from __future__ import annotations
@@ -33,8 +35,13 @@ DOWN_TIMEOUT_S = 60.0
 
 
 def chaos_spec(name: str) -> dict:
-    return tiny_spec(name, steps=STEPS, checkpoint={"every_steps": 5, "keep": 2}, resources={"max_failures": 2},
-                     faults={"slow_rank": {"rank": 0, "delay_s": 0.25}})
+    return tiny_spec(
+        name,
+        steps=STEPS,
+        checkpoint={"every_steps": 5, "keep": 2},
+        resources={"max_failures": 2},
+        faults={"slow_rank": {"rank": 0, "delay_s": 0.25}},
+    )
 
 
 def _ray_heads_of(data_dir: Path) -> list[int]:
@@ -57,7 +64,9 @@ def _rows_after_end(data_dir: Path, run_id: str) -> list[tuple]:
         return db.execute(
             "SELECT m.attempt, m.step, m.time FROM metrics m JOIN run_attempts a "
             "ON a.run_id = m.run_id AND a.attempt = m.attempt JOIN runs r ON r.id = m.run_id "
-            "WHERE m.run_id = ? AND (m.time > a.finished_at OR m.time > r.finished_at)", (run_id,)).fetchall()
+            "WHERE m.run_id = ? AND (m.time > a.finished_at OR m.time > r.finished_at)",
+            (run_id,),
+        ).fetchall()
 
 
 def _no_database_url_in_the_job(svc: OwnedService, head: ownership.HeadRecord, job_id: str) -> None:
@@ -104,6 +113,7 @@ def test_service_and_head_crashes_leave_one_head_and_finish_every_run(owned_serv
     assert done["summary"]["steps_done"] == STEPS
     assert _rows_after_end(svc.data_dir, a["id"]) == []
     _no_database_url_in_the_job(svc, head, done["ray_job_id"])
+    assert not (live := svc.live_placement_groups()), live  # run A's placement group went with its job
 
     # ---- 2. kill -9 of the head during a checkpointing run: the service stays up, reports it, restarts it
     b = submit(svc.url, chaos_spec("chaos-head-kill"))
@@ -125,6 +135,7 @@ def test_service_and_head_crashes_leave_one_head_and_finish_every_run(owned_serv
     assert new_head is not None and new_head.pid != head.pid and new_head.gcs_port == head.gcs_port
     assert _ray_heads_of(svc.data_dir) == [new_head.pid]
     assert get_json(f"{svc.url}/healthz")[0] == 200
+    assert not (live := svc.live_placement_groups()), live  # none of the resumed run B's left on the new head
 
     # ---- 3. a graceful stop leaves nothing of the head behind
     svc.stop()
@@ -132,8 +143,7 @@ def test_service_and_head_crashes_leave_one_head_and_finish_every_run(owned_serv
     left = ownership.group_members(new_head.pgid)
     assert not left, [_cmdline(Path(f"/proc/{p}"))[:300] for p in left]
     assert new_head.session_dir and not [
-        p for p in Path("/proc").iterdir()
-        if p.name.isdigit() and new_head.session_dir.encode() in _cmdline(p)
+        p for p in Path("/proc").iterdir() if p.name.isdigit() and new_head.session_dir.encode() in _cmdline(p)
     ]
 
 

@@ -1,0 +1,103 @@
+"""Chaos inside a run (issue 20): ``kill -9`` of a run's driver and of one Ray Train worker rank, during checkpointing
+runs on a service that owns its Ray head.
+
+Two runs at once (tiny GPT, one rank each, a slowed rank 0, a checkpoint every 5 steps, ``max_failures=2``):
+
+- run D: its driver (``python -m service.runs.driver --run-id D``) is killed after the first checkpoint. Ray ends the
+  job, and with it the Train controller, the workers and their placement group. The reconcile step ends the run
+  FAILED with one readable sentence ("driver lost: ..."); resumed, it continues from its latest checkpoint and
+  SUCCEEDS with every step's metrics once;
+- run W: its rank 0 worker is killed after the first checkpoint. Ray Train restarts the worker group from the latest
+  checkpoint (a new attempt, counted against ``max_failures``) and the run SUCCEEDS with every step's metrics once.
+
+Afterwards: no metric row stored after its attempt ended, no placement group left (all REMOVED), no driver or worker
+process of either run alive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.chaos.conftest import OwnedService
+from tests.chaos.test_owned_head import STEPS, _every_step_once, _rows_after_end, _wait_checkpoint, chaos_spec
+from tests.ray.helpers import events, submit, wait_for
+from tests.ray.test_runs import driver_pids, gone
+
+pytestmark = pytest.mark.ray
+
+
+def _rank_pids(url: str, run_id: str) -> list[int]:
+    """The worker pids of the run's latest attempt (its ``placement`` event: rank -> "node pid N")."""
+    found = [e["reason"] for e in events(url, run_id) if e["kind"] == "placement"]
+    assert found, "no placement event"
+    where = json.loads(found[-1].split(":", 1)[1])
+    return [int(v.rsplit(" ", 1)[1]) for v in where.values()]
+
+
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _driver_process(run_id: str) -> int:
+    """The run's one driver process: the Python process of its job's entrypoint (not the shell Ray runs it in)."""
+    pids = driver_pids(run_id)
+    python = [p for p in pids if _ppid(p) in pids or len(pids) == 1]
+    assert len(python) == 1, [Path(f"/proc/{p}/cmdline").read_bytes() for p in pids]
+    return python[0]
+
+
+def _one_sentence(reason: str) -> None:
+    assert reason and "\n" not in reason and "Traceback" not in reason and len(reason) <= 400, reason
+
+
+def test_killed_driver_and_killed_worker_leave_no_loss_no_leak(owned_service: OwnedService) -> None:
+    svc = owned_service
+    svc.start()
+    d = submit(svc.url, chaos_spec("chaos-driver-kill"))
+    w = submit(svc.url, chaos_spec("chaos-worker-kill"))
+    _wait_checkpoint(svc.url, d["id"])
+    _wait_checkpoint(svc.url, w["id"])
+    workers_d = _rank_pids(svc.url, d["id"])
+
+    # ---- kill -9 of run D's driver: FAILED with one sentence, nothing of it left
+    os.kill(_driver_process(d["id"]), signal.SIGKILL)
+    # ---- kill -9 of run W's rank 0: Ray Train restarts the worker group from the latest checkpoint
+    killed_w = _rank_pids(svc.url, w["id"])
+    os.kill(killed_w[0], signal.SIGKILL)
+
+    failed = wait_for(svc.url, d["id"], {"FAILED"}, timeout_s=300)
+    reason = failed["status_reason"]
+    assert reason.startswith("driver lost:"), reason
+    _one_sentence(reason)
+    assert not gone(driver_pids(d["id"]) + workers_d, timeout_s=60), "run D's processes outlived its driver"
+    assert _rows_after_end(svc.data_dir, d["id"]) == []
+
+    done_w = wait_for(svc.url, w["id"], {"SUCCEEDED"}, timeout_s=900)
+    _every_step_once(svc.url, w["id"])
+    assert done_w["summary"]["steps_done"] == STEPS
+    assert done_w["attempts"] >= 2, done_w  # the worker's loss was a new attempt
+    assert _rows_after_end(svc.data_dir, w["id"]) == []
+
+    # ---- run D resumed: from its latest checkpoint, one driver, every step once
+    r = httpx.post(f"{svc.url}/v1/runs/{d['id']}/resume", json={}, timeout=60)
+    assert r.status_code in (200, 202), r.text
+    assert any(
+        e.get("to_status") == "QUEUED" and "from checkpoint of step" in (e["reason"] or "")
+        for e in events(svc.url, d["id"])
+    )
+    done_d = wait_for(svc.url, d["id"], {"SUCCEEDED"}, timeout_s=900)
+    _every_step_once(svc.url, d["id"])
+    assert _rows_after_end(svc.data_dir, d["id"]) == []
+
+    # ---- nothing of either run remains: processes, placement groups
+    for run in (done_d, done_w):
+        assert not gone(driver_pids(run["id"]) + _rank_pids(svc.url, run["id"]), timeout_s=60)
+    assert not gone(killed_w, timeout_s=5)
+    live = svc.live_placement_groups()
+    assert not live, live
