@@ -25,6 +25,7 @@ from types import FrameType
 from typing import Any
 
 import ray
+from sqlalchemy.orm import Session
 
 from api.spec import Plan, RunSpec, RunStatus
 from api.spec.validation import build_plan
@@ -56,11 +57,21 @@ def _inspect_user_model(life: RunLifecycle, spec: RunSpec, plan: Plan) -> Plan |
     except InspectionFailed as e:
         life.transition(RunStatus.FAILED, trim(f"model inspection failed: {e.message}"))
         return None
-    with session_scope(life.factory) as s:
-        store.get_run(s, run_id=life.run_id).plan = plan.model_dump(mode="json")
-        store.add_event(s, run_id=life.run_id, kind="inspect", reason=trim(describe(info)))
+    if not record_inspection(life, plan, describe(info)):
+        return None  # revoked meanwhile: the run is no longer this driver's
     logger.info("run %s: %s", life.run_id, describe(info))
     return plan
+
+
+def record_inspection(life: RunLifecycle, plan: Plan, text: str) -> bool:
+    """The inspected plan on the run and an ``inspect`` event, behind the driver's write fence (False: revoked,
+    nothing written)."""
+
+    def write(s: Session) -> None:
+        store.get_run(s, run_id=life.run_id).plan = plan.model_dump(mode="json")
+        store.add_event(s, run_id=life.run_id, kind="inspect", reason=trim(text))
+
+    return life.write("the model inspection", write)
 
 
 def head_lost(address: str | None, *, checks: int = 3) -> str | None:

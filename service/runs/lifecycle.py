@@ -320,10 +320,19 @@ class RunLifecycle:
     def start(self, reason: str) -> bool:
         return self.transition(RunStatus.RUNNING, reason)
 
-    def phase(self, text: str) -> None:
-        """A start-up phase (``store.add_phase``): an event, and the run's reason until it trains."""
+    def write(self, what: str, fn: Callable[[Session], object]) -> bool:
+        """``fn(session)`` in one transaction behind this driver's fence (``store.fence``): False, with nothing
+        written, when the driver's attempt was revoked (the run ended, was requeued or runs under another job)."""
         with session_scope(self.factory) as s:
-            store.add_phase(s, run_id=self.run_id, phase=text, actor=self.actor)
+            if not store.fence(s, run_id=self.run_id, job_id=self.job_id):
+                logger.info("run %s: not writing %s: this driver's attempt was revoked", self.run_id, what)
+                return False
+            fn(s)
+        return True
+
+    def phase(self, text: str) -> None:
+        """A start-up phase (``store.add_phase``): an event, and the run's reason until it trains (fenced)."""
+        self.write("a phase", lambda s: store.add_phase(s, run_id=self.run_id, phase=text, actor=self.actor))
 
     def status(self) -> RunStatus:
         with session_scope(self.factory) as s:

@@ -83,6 +83,41 @@ def test_a_revoked_driver_writes_nothing_after_the_terminal_transition(factory):
         assert att.status == "FAILED"
 
 
+def test_the_model_inspection_and_phases_are_fenced_by_the_attempt(factory):
+    from service.runs.driver import record_inspection
+
+    rid = _running_run(factory, "meshrun-x-1")
+    with session_scope(factory) as s:
+        old_plan = store.get_run(s, run_id=rid).plan
+    inspected = build_plan(RunSpec.model_validate({"name": "r", "train": {"steps": 10}, "layout": {"dp": 2}}))
+    assert inspected.model_dump(mode="json") != old_plan
+
+    def inspect_events() -> list[str]:
+        with session_scope(factory) as s:
+            return [e.kind for e in store.list_events(s, run_id=rid) if e.kind in ("inspect", "phase")]
+
+    # a driver of another job (a resubmission's, or one whose run was requeued) writes nothing
+    stale = RunLifecycle(factory, rid, actor="driver", job_id="meshrun-x-0")
+    assert not record_inspection(stale, inspected, "user model: 1 M parameters")
+    stale.phase("placing workers")
+    with session_scope(factory) as s:
+        assert store.get_run(s, run_id=rid).plan == old_plan
+    assert inspect_events() == []
+    # the current driver writes both
+    life = RunLifecycle(factory, rid, actor="driver", job_id="meshrun-x-1")
+    assert record_inspection(life, inspected, "user model: 1 M parameters")
+    life.phase("placing workers")
+    assert inspect_events() == ["inspect", "phase"]
+    # once the run ended, the same driver writes nothing more
+    with session_scope(factory) as s:
+        store.end_run(s, run_id=rid, to="FAILED", reason="driver lost")
+    assert not record_inspection(life, build_plan(RunSpec.model_validate({"name": "r"})), "again")
+    life.phase("placing workers again")
+    with session_scope(factory) as s:
+        assert store.get_run(s, run_id=rid).plan == inspected.model_dump(mode="json")
+    assert inspect_events() == ["inspect", "phase"]
+
+
 def test_metrics_of_an_ended_attempt_are_dropped(factory):
     rid = _running_run(factory, "meshrun-x-1")
     life = RunLifecycle(factory, rid, actor="driver", job_id="meshrun-x-1")
