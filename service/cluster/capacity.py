@@ -11,6 +11,11 @@ from api.spec import ClusterSpec
 
 _cpu_peak_lock = threading.Lock()
 
+# A custom resource that meshrun's own head carries when it has more CPU slots than cores (``meshrun serve`` on a
+# laptop: max(cores, 10) slots): its physical cores. The planner counts those as the node's CPU devices (five
+# workers sharing one core are not five times faster); placement still uses the slots.
+CORES_RESOURCE = "meshrun_cores"
+
 
 def cpu_peak_flops_per_s() -> float:
     """fp32 matmul FLOP/s of one CPU core (a 1-CPU worker's peak), measured once per process."""
@@ -32,8 +37,9 @@ def planning_cluster(node_totals: Sequence[Mapping[str, float]]) -> ClusterSpec 
         )
         per_node = int(max(r["GPU"] for r in gpu_nodes))
         return ClusterSpec(device=acc or "H100", gpus_per_node=max(1, per_node), nodes=len(gpu_nodes))
-    per_node = int(max(r.get("CPU", 1) for r in node_totals))
-    mem = min(r.get("memory", 0) / max(1.0, r.get("CPU", 1)) for r in node_totals)
+    devices = [min(r.get("CPU", 1), r.get(CORES_RESOURCE) or r.get("CPU", 1)) for r in node_totals]
+    per_node = int(max(devices))
+    mem = min(r.get("memory", 0) / max(1.0, d) for r, d in zip(node_totals, devices))
     return ClusterSpec(
         device="cpu",
         gpus_per_node=max(1, per_node),

@@ -23,6 +23,7 @@ Ray's GCS client, which aborts its process when the GCS is gone for a minute, ne
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from service.cluster import ownership
+from service.cluster.capacity import CORES_RESOURCE
 from service.cluster.gcs_view import GcsView, gcs_port_answers
 from service.cluster.ownership import HeadLock, HeadOwnershipError, HeadRecord, kill_process_group
 from service.meta import PROJECT_ROOT
@@ -351,6 +353,9 @@ class RayCluster:
         cmd.append(f"--temp-dir={self.temp_dir}")
         self.num_cpus, slots_note = local_cpu_slots(self.num_cpus)
         cmd.append(f"--num-cpus={self.num_cpus}")
+        cores = os.cpu_count() or 1
+        if self.num_cpus > cores:  # oversubscribed slots: the planner counts the cores, not the slots
+            cmd.append("--resources=" + json.dumps({CORES_RESOURCE: cores}))
         logger.info("Ray head: %s", slots_note)
         if self.num_gpus is not None:
             cmd.append(f"--num-gpus={self.num_gpus}")

@@ -315,7 +315,13 @@ def submit_run(
     if not created:
         response.status_code = 200
         response.headers["Idempotent-Replayed"] = "true"
-    return run_public(run, request=req)
+    out = run_public(run, request=req)  # as stored (QUEUED), whatever the scheduler does next
+    if created and runtime is not None:
+        session.commit()  # the scheduler reads it from its own session
+        wake = getattr(runtime, "wake", None)  # a runtime without a scheduler loop (tests' stand-ins) has none
+        if wake is not None:
+            wake()  # admitted now, not at the next tick (scheduler_interval_s)
+    return out
 
 
 @router.get("", response_model=RunList, summary="List runs", responses=error_responses(422))
