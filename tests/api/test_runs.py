@@ -264,7 +264,10 @@ def test_checkpoints_listed(client, tmp_path):
 # -------------------------------------------------------------------------------------------- fake runtime
 class FakeRuntime:
     def __init__(self, cluster: ClusterSpec | None = None, never: str | None = None):
-        self.cluster, self.never, self.cancelled = cluster, never, []
+        self.cluster, self.never, self.cancelled, self.wakes = cluster, never, [], 0
+
+    def wake(self):
+        self.wakes += 1
 
     def planning_cluster(self):
         return self.cluster
@@ -280,9 +283,10 @@ class FakeRuntime:
 
 
 def test_planner_prediction_attached_and_memory_refusal(client):
-    client.app.state.runtime = FakeRuntime(ClusterSpec(device="H100", gpus_per_node=8, nodes=1))
+    client.app.state.runtime = runtime = FakeRuntime(ClusterSpec(device="H100", gpus_per_node=8, nodes=1))
     run = _submit(client)
     assert run["plan"]["predicted"]["feasible"] is True
+    assert runtime.wakes == 1  # a new run wakes the scheduler instead of waiting for its next tick
     assert run["plan"]["predicted"]["memory_bytes"]["total"] > 0
 
     client.app.state.runtime = FakeRuntime(ClusterSpec(device="H100", gpus_per_node=8, nodes=1,

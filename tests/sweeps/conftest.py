@@ -71,6 +71,9 @@ class FakeRuntime:
     def stop(self) -> None:
         pass
 
+    def wake(self) -> None:
+        pass
+
     def planning_cluster(self) -> ClusterSpec | None:
         return self._cluster
 

@@ -318,9 +318,7 @@ def submit_run(
     out = run_public(run, request=req)  # as stored (QUEUED), whatever the scheduler does next
     if created and runtime is not None:
         session.commit()  # the scheduler reads it from its own session
-        wake = getattr(runtime, "wake", None)  # a runtime without a scheduler loop (tests' stand-ins) has none
-        if wake is not None:
-            wake()  # admitted now, not at the next tick (scheduler_interval_s)
+        runtime.wake()  # admitted now, not at the next tick (scheduler_interval_s)
     return out
 
 
