@@ -4,7 +4,10 @@
   fp32 tolerance (AdamW, global-norm clipping on the server);
 - ``max_staleness: 4`` with one worker slowed down: the loss falls, the fast worker really runs ahead (some
   gradient is stale) and no recorded staleness exceeds 4;
-(a worker killed mid-run, through the service: ``tests/ray/test_async_ps_rest.py``).
+- a parameter server killed mid-run (``faults.kill_ps``: ``ray.kill`` on its actor): every server restarts from
+  the latest complete checkpoint of its shard, the workers re-pull, the run ends with every step, and (bound 0,
+  deterministic) its losses equal those of the same run without the fault;
+(a worker or a server killed mid-run, through the service: ``tests/ray/test_async_ps_rest.py``).
 """
 
 from __future__ import annotations
@@ -38,11 +41,11 @@ def ray_session(ray_cluster):
         ray.shutdown()
 
 
-def _run(spec_d: dict) -> tuple[dict, list[dict]]:
+def _run(spec_d: dict, **kw: object) -> tuple[dict, list[dict]]:
     spec = RunSpec.model_validate(spec_d)
     plan = build_plan(spec, device="cpu")
     rows: list[dict] = []
-    return run_async_ps(spec, plan, sink=rows.append, worker_options={"num_cpus": 0.5}), rows
+    return run_async_ps(spec, plan, sink=rows.append, worker_options={"num_cpus": 0.5}, **kw), rows  # type: ignore[arg-type]
 
 
 def test_staleness_zero_equals_synchronous_training(ray_session) -> None:
@@ -68,3 +71,32 @@ def test_bound_four_learns_and_staleness_never_exceeds_it(ray_session) -> None:
     stale = [r["staleness_max"] for r in rows]
     assert max(stale) <= 4 and out["max_staleness"] <= 4
     assert max(stale) > 0  # the fast worker ran ahead of the slow one
+
+
+def test_lost_parameter_server_restores_from_its_latest_checkpoint(ray_session, tmp_path) -> None:
+    base = tiny_spec(
+        dp=2,
+        steps=9,
+        layout={"sync": "async_ps", "max_staleness": 0, "ps_shards": 2},
+        optimizer={"grad_clip": None},
+        checkpoint={"every_steps": 3, "keep": 1},
+    )
+    ref, _ = _run(base, ckpt_dir=str(tmp_path / "ref"))
+    restored: list[tuple[list[int], int, str]] = []
+    out, rows = _run(
+        {**base, "faults": {"kill_ps": {"shard": 1, "at_step": 5}}},
+        ckpt_dir=str(tmp_path / "ps"),
+        on_ps_restored=lambda servers, step, text: restored.append((servers, step, text)),
+    )
+    assert len(restored) == 1, restored
+    servers, step, text = restored[0]
+    assert servers == [1] and step in (3, 6)  # the latest complete checkpoint when the loss was seen
+    assert f"restored from the checkpoint of step {step}" in text
+    assert out["ps_restores"] == [{"servers": [1], "step": step}]
+    assert out["steps_done"] == 9 and sorted({r["step"] for r in rows}) == list(range(1, 10))
+    assert [r["step"] for r in rows if r["step"] <= step] == list(range(1, step + 1))  # nothing before N redone
+    # the servers came back exactly as they were at step N: the same losses as without the fault
+    assert max(abs(a - b) for a, b in zip(out["losses"], ref["losses"])) < FP32_TOL
+    assert out["losses"][-1] < out["losses"][step - 1] < out["losses"][0]
+    # checkpoints after the restore went on (keep 1: only the latest complete step is left)
+    assert sorted(p.name for p in (tmp_path / "ps").iterdir()) == ["step-00000006"]
