@@ -263,13 +263,14 @@ def run_async_ps(
                 try:
                     ray.get(ref)
                 except RayActorError as e:
-                    if isinstance(e, RayTaskError):  # it ran and failed: on a lost server, or its own error
-                        dead = _dead_servers(servers)
-                        if not dead:
-                            raise
-                        running[ref] = w  # restored below with the others
+                    # the worker died, or its push/pull found a server dead (Ray may raise that ActorDiedError
+                    # as it is, or wrapped in the worker's RayTaskError): the servers say which
+                    if _dead_servers(servers):
+                        running[ref] = w  # restarted below with the others
                         suspect = True
                         continue
+                    if isinstance(e, RayTaskError):
+                        raise
                     reason = f"worker {w} (incarnation {incarnation[w]}) lost: {type(e).__name__}"
                     log.warning("async_ps: %s; the run goes on without it", reason)
                     lost.append(w)

@@ -12,16 +12,18 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import ray
+import torch
 
 from api.spec import RunSpec
+from api.spec.metrics import SYNC_ALERT
 from api.spec.validation import build_plan
 from tests.workers.dist_utils import run_world, tiny_spec
 from workers.async_ps import run_async_ps
+from workers.ps import ParameterServer
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,3 +102,20 @@ def test_lost_parameter_server_restores_from_its_latest_checkpoint(ray_session, 
     assert out["losses"][-1] < out["losses"][step - 1] < out["losses"][0]
     # checkpoints after the restore went on (keep 1: only the latest complete step is left)
     assert sorted(p.name for p in (tmp_path / "ps").iterdir()) == ["step-00000006"]
+
+
+def test_staleness_reaching_the_bound_raises_one_sync_alert(ray_session) -> None:
+    """Server 0 marks the first update whose gradient reached ``max_staleness`` (the run's ``sync_alert`` event)."""
+    spec = RunSpec.model_validate(tiny_spec(dp=2, steps=4, layout={"sync": "async_ps", "max_staleness": 1}))
+    srv = ParameterServer.remote(0, spec.model_dump_json(), [torch.zeros(3, 2), torch.zeros(2)], [0, 1])
+    g, info = torch.ones(8), {"loss": 1.0, "tokens": 4.0, "bytes": 0.0}
+    try:
+        ray.get([srv.push.remote(w, 1, g, 0, info) for w in (0, 1)])  # step 1 on version 0: staleness 0
+        ray.get([srv.push.remote(0, 2, g, 1, info), srv.push.remote(1, 2, g, 0, info)])  # worker 1: staleness 1
+        ray.get([srv.push.remote(0, 3, g, 1, info), srv.push.remote(1, 3, g, 1, info)])  # staleness 1 again
+        rows = ray.get(srv.take_rows.remote())
+    finally:
+        ray.kill(srv)
+    assert [r["staleness_max"] for r in rows] == [0, 1, 1]
+    assert [SYNC_ALERT in r for r in rows] == [False, True, False]  # once per run: the rows say how often
+    assert "staleness 1 reached max_staleness 1" in rows[1][SYNC_ALERT]
