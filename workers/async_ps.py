@@ -43,7 +43,7 @@ from workers.ps_checkpoint import latest_complete
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2
-PROBE_S = 2.0  # a server's answer to a liveness probe (a busy one only delays it)
+PROBE_S = 10.0  # a server's answer to a liveness probe (a busy one only delays it)
 PROBE_EVERY_S = 2.0  # servers probed this often even when no push or pull failed
 
 
@@ -251,7 +251,7 @@ def run_async_ps(
     try:
         while running:
             done, _ = ray.wait(list(running), num_returns=1, timeout=POLL_S)
-            suspect = False
+            suspect, known_dead = False, set()
             try:
                 drain()
             except RayActorError:
@@ -265,16 +265,22 @@ def run_async_ps(
                 except RayActorError as e:
                     # the worker died, or its push/pull found a server dead (Ray may raise that ActorDiedError
                     # as it is, or wrapped in the worker's RayTaskError): the servers say which
-                    if _dead_servers(servers):
+                    hit = {x._actor_id.hex(): k for k, x in enumerate(servers)}.get(getattr(e, "actor_id", None) or "")
+                    if hit is not None or _dead_servers(servers):
                         running[ref] = w  # restarted below with the others
                         suspect = True
+                        known_dead.update([] if hit is None else [hit])
                         continue
                     if isinstance(e, RayTaskError):
                         raise
                     reason = f"worker {w} (incarnation {incarnation[w]}) lost: {type(e).__name__}"
                     log.warning("async_ps: %s; the run goes on without it", reason)
                     lost.append(w)
-                    ray.get([s.remove_worker.remote(w) for s in servers])
+                    try:
+                        ray.get([s.remove_worker.remote(w) for s in servers])
+                    except RayActorError:  # a server died too: the restore below restarts everyone
+                        suspect = True
+                        continue
                     if on_worker_lost is not None:
                         on_worker_lost(w, reason)
                     if budget == -1 or restarts < budget:
@@ -292,7 +298,7 @@ def run_async_ps(
                         gone.add(w)
             if suspect or time.time() - last_probe > PROBE_EVERY_S:
                 last_probe = time.time()
-                dead = _dead_servers(servers)
+                dead = sorted(known_dead | set(_dead_servers(servers)))
                 if dead:
                     restore(dead)
         drain()
