@@ -10,7 +10,11 @@
 3. forwards server 0's rows (one per parameter update) to ``sink``;
 4. when a worker dies (its process is killed, its node is lost), removes it from the servers (the next updates
    go on without it) and starts a replacement that rejoins from the servers' current parameters, up to
-   ``resources.max_failures`` times (-1: always; 0: the run still goes on with the workers left).
+   ``resources.max_failures`` times (-1: always; 0: the run still goes on with the workers left);
+5. with ``ckpt_dir``, the servers checkpoint their shards every ``checkpoint.every_steps`` updates
+   (``workers.ps_checkpoint``); when a server dies (a worker's push or pull fails on it, or a periodic probe
+   finds it dead), every server and worker is restarted: the servers from the latest complete checkpoint (all
+   shards at the same step N), the workers from step N + 1, re-pulling the parameters (``on_ps_restored``).
 
 A worker's step ``t``: use its parameters if their version is ``>= t - 1 - max_staleness`` (taking a newer copy
 if a pull started earlier has arrived), else wait for a pull of that version; forward/backward over its
@@ -27,17 +31,20 @@ from typing import Any
 
 import ray
 import torch
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from api.spec import Plan, RunSpec
 from workers.data import build_batches
 from workers.diagnostics import FaultInjector, RankState
 from workers.models import build_model, materialize
 from workers.ps import ParameterServer, split_params
+from workers.ps_checkpoint import latest_complete
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2
+PROBE_S = 10.0  # a server's answer to a liveness probe (a busy one only delays it)
+PROBE_EVERY_S = 2.0  # servers probed this often even when no push or pull failed
 
 
 def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -133,6 +140,42 @@ class PSWorker:
         return {"worker": self.index, "incarnation": self.incarnation, "max_staleness": max_stale}
 
 
+def _initial_params(spec: RunSpec, plan: Plan) -> list[torch.Tensor]:
+    """The seeded model's parameters (as every synchronous rank would build them)."""
+    torch.manual_seed(spec.train.seed)
+    model = materialize(build_model(plan.model, device="meta"), device="cpu", seed=spec.train.seed)
+    return [p.detach() for p in model.parameters()]
+
+
+def _start_servers(
+    spec: RunSpec, plan: Plan, split: list[list[int]], members: list[int], ckpt_dir: str | None, step: int
+) -> list[Any]:
+    """``ps_shards`` servers: from the initial parameters (``step`` 0) or from their checkpoint of ``step``."""
+    spec_json = spec.model_dump_json()
+    if step == 0:
+        params = _initial_params(spec, plan)
+        shards: list[list[torch.Tensor] | None] = [[params[i] for i in idx] for idx in split]
+    else:
+        shards = [None] * len(split)
+    return [
+        ParameterServer.remote(k, spec_json, shard, members, ckpt_dir, step)  # type: ignore[attr-defined]
+        for k, shard in enumerate(shards)
+    ]
+
+
+def _dead_servers(servers: list[Any]) -> list[int]:
+    """Servers whose actor is dead (a busy one, writing a checkpoint, is not)."""
+    pings = {s.state.remote(): k for k, s in enumerate(servers)}
+    ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=PROBE_S)
+    dead = []
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except RayActorError:
+            dead.append(pings[ref])
+    return sorted(dead)
+
+
 def run_async_ps(
     spec: RunSpec,
     plan: Plan,
@@ -140,52 +183,104 @@ def run_async_ps(
     sink: Callable[[dict[str, Any]], None] | None = None,
     worker_options: dict[str, Any] | None = None,
     on_worker_lost: Callable[[int, str], None] | None = None,
+    ckpt_dir: str | None = None,
+    on_ps_restored: Callable[[list[int], int, str], None] | None = None,
 ) -> dict[str, Any]:
-    """Train ``spec`` with parameter servers on the connected Ray cluster; returns the run's summary."""
+    """Train ``spec`` with parameter servers on the connected Ray cluster; returns the run's summary.
+
+    With ``ckpt_dir`` the servers checkpoint every ``checkpoint.every_steps`` updates; a lost server (its actor
+    died: a worker's push or pull failed on it, or a probe did) restarts EVERY server from the latest complete
+    checkpoint (step 0, the initial parameters, without one) and every worker from the step after it, and calls
+    ``on_ps_restored(lost_servers, step, text)``. Up to ``resources.max_failures`` times (-1: always; 0: once)."""
     lay = spec.layout
-    torch.manual_seed(spec.train.seed)
-    model = materialize(build_model(plan.model, device="meta"), device="cpu", seed=spec.train.seed)
-    params = [p.detach() for p in model.parameters()]
-    split = split_params([p.numel() for p in params], lay.ps_shards)
+    split = split_params([p.numel() for p in _initial_params(spec, plan)], lay.ps_shards)
     spec_json, plan_json = spec.model_dump_json(), plan.model_dump_json()
     workers = list(range(plan.dp))
-    servers = [
-        ParameterServer.remote(k, spec_json, [params[i] for i in idx], workers)  # type: ignore[attr-defined]
-        for k, idx in enumerate(split)
-    ]
-    del model, params
+    servers = _start_servers(spec, plan, split, workers, ckpt_dir, 0)
     opts = {"num_cpus": spec.resources.cpus_per_worker, **(worker_options or {})}
     incarnation = dict.fromkeys(workers, 1)
     actors = {w: PSWorker.options(**opts).remote(w, 1, spec_json, plan_json, servers) for w in workers}  # type: ignore[attr-defined]
     running = {actors[w].run.remote(1): w for w in workers}
-    losses: list[float] = []
+    losses: dict[int, float] = {}
     rows_total = 0
     restarts, lost = 0, []
+    gone: set[int] = set()  # lost workers without a replacement (max_failures spent)
+    restores: list[dict[str, Any]] = []
     budget = spec.resources.max_failures
-    t0 = time.time()
+    ps_budget = -1 if budget == -1 else max(budget, 1)
+    kill_ps = spec.faults.kill_ps if spec.faults is not None else None
+    t0 = last_probe = time.time()
 
     def drain() -> None:
-        nonlocal rows_total
+        nonlocal rows_total, kill_ps
         for row in ray.get(servers[0].take_rows.remote()):
             rows_total += 1
             if row.get("loss") is not None:
-                losses.append(float(row["loss"]))
+                losses[int(row["step"])] = float(row["loss"])
             if sink is not None:
                 sink(row)
+            if kill_ps is not None and row["step"] >= kill_ps.at_step:
+                log.warning("async_ps: injected fault kill_ps: parameter server %d killed", kill_ps.shard)
+                ray.kill(servers[kill_ps.shard], no_restart=True)
+                kill_ps = None
+
+    def restore(dead: list[int]) -> None:
+        nonlocal servers
+        if ps_budget != -1 and len(restores) >= ps_budget:
+            raise RuntimeError(f"parameter server(s) {dead} lost after {len(restores)} restore(s) (max_failures)")
+        members = [w for w in workers if w not in gone]
+        for a in [*actors.values(), *servers]:
+            ray.kill(a)
+        running.clear()
+        step = latest_complete(ckpt_dir, lay.ps_shards)
+        servers = _start_servers(spec, plan, split, members, ckpt_dir, step)
+        for w in members:
+            incarnation[w] += 1
+            actors[w] = PSWorker.options(**opts).remote(w, incarnation[w], spec_json, plan_json, servers)  # type: ignore[attr-defined]
+            running[actors[w].run.remote(step + 1)] = w
+        where = f"the checkpoint of step {step}" if step else "the initial parameters (step 0: no checkpoint yet)"
+        text = (
+            f"parameter server {', '.join(map(str, dead))} lost; all {lay.ps_shards} server(s) restored from {where}, "
+            f"the workers re-pull and train again from step {step + 1}"
+        )
+        log.warning("async_ps: %s", text)
+        restores.append({"servers": dead, "step": step})
+        if on_ps_restored is not None:
+            on_ps_restored(dead, step, text)
 
     try:
         while running:
             done, _ = ray.wait(list(running), num_returns=1, timeout=POLL_S)
-            drain()
+            suspect, known_dead = False, set()
+            try:
+                drain()
+            except RayActorError:
+                suspect = True
             for ref in done:
+                if ref not in running:
+                    continue  # a restore replaced it
                 w = running.pop(ref)
                 try:
                     ray.get(ref)
                 except RayActorError as e:
+                    # the worker died, or its push/pull found a server dead (Ray may raise that ActorDiedError
+                    # as it is, or wrapped in the worker's RayTaskError): the servers say which
+                    hit = {x._actor_id.hex(): k for k, x in enumerate(servers)}.get(getattr(e, "actor_id", None) or "")
+                    if hit is not None or _dead_servers(servers):
+                        running[ref] = w  # restarted below with the others
+                        suspect = True
+                        known_dead.update([] if hit is None else [hit])
+                        continue
+                    if isinstance(e, RayTaskError):
+                        raise
                     reason = f"worker {w} (incarnation {incarnation[w]}) lost: {type(e).__name__}"
                     log.warning("async_ps: %s; the run goes on without it", reason)
                     lost.append(w)
-                    ray.get([s.remove_worker.remote(w) for s in servers])
+                    try:
+                        ray.get([s.remove_worker.remote(w) for s in servers])
+                    except RayActorError:  # a server died too: the restore below restarts everyone
+                        suspect = True
+                        continue
                     if on_worker_lost is not None:
                         on_worker_lost(w, reason)
                     if budget == -1 or restarts < budget:
@@ -199,21 +294,30 @@ def run_async_ps(
                             )
                             running[actors[w].run.remote(first)] = w
                             log.info("async_ps: worker %d rejoins at step %d", w, first)
+                    else:
+                        gone.add(w)
+            if suspect or time.time() - last_probe > PROBE_EVERY_S:
+                last_probe = time.time()
+                dead = sorted(known_dead | set(_dead_servers(servers)))
+                if dead:
+                    restore(dead)
         drain()
         state = ray.get(servers[0].state.remote())
         final = [ray.get(s.params_flat.remote()) for s in servers]
     finally:
         for a in [*actors.values(), *servers]:
             ray.kill(a)
+    ordered = [losses[k] for k in sorted(losses)]
     return {
         "steps_done": state["version"],
-        "final_loss": losses[-1] if losses else None,
-        "losses": losses,
+        "final_loss": ordered[-1] if ordered else None,
+        "losses": ordered,
         "rows": rows_total,
         "wall_time_s": time.time() - t0,
         "max_staleness": state["max_staleness"],
         "workers_lost": lost,
         "workers_restarted": restarts,
+        "ps_restores": restores,
         "final_params": final,
         "split": split,
     }

@@ -17,6 +17,10 @@ Membership: ``remove_worker`` (the supervisor saw it die) lets the updates it ha
 An artificial link delay (``MESHRUN_LINK_DELAY_S`` in the server's environment) is added to every push and
 pull on the server side (the worker's compute thread does not sleep: the transfer is what is slow).
 
+Checkpoints (``checkpoint.every_steps``, with a ``ckpt_dir``): after every ``every_steps``-th update each server
+writes its shard (``workers.ps_checkpoint``); a server started with ``restore_step`` N reloads its shard of step
+N (parameters, optimizer, LR schedule, update counter) instead of taking parameters.
+
 Server 0 also records one metric row per update (``api.spec.metrics.MetricRow`` keys) for the supervisor.
 """
 
@@ -34,6 +38,7 @@ import torch
 from api.spec import RunSpec
 from api.spec.metrics import SYNC_ALERT
 from workers.optim import lr_factor
+from workers.ps_checkpoint import load_shard, prune, save_shard
 
 
 def split_params(sizes: list[int], shards: int) -> list[list[int]]:
@@ -49,10 +54,23 @@ def split_params(sizes: list[int], shards: int) -> list[list[int]]:
 
 @ray.remote(num_cpus=0)
 class ParameterServer:
-    def __init__(self, index: int, spec_json: str, params: list[torch.Tensor], workers: list[int]) -> None:
+    def __init__(
+        self,
+        index: int,
+        spec_json: str,
+        params: list[torch.Tensor] | None,
+        workers: list[int],
+        ckpt_dir: str | None = None,
+        restore_step: int = 0,
+    ) -> None:
         torch.set_num_threads(1)
         self.index = index
         self.spec = spec = RunSpec.model_validate_json(spec_json)
+        self.ckpt_dir = ckpt_dir
+        saved = load_shard(ckpt_dir, restore_step, index) if ckpt_dir and restore_step else None
+        if saved is not None:
+            params = saved["params"]
+        assert params is not None, "a server needs its parameters or a checkpoint to restore"
         self.params = [torch.nn.Parameter(p.detach().clone().float()) for p in params]
         o = spec.optimizer
         decay = [p for p in self.params if p.dim() >= 2]
@@ -83,6 +101,13 @@ class ParameterServer:
         self.last_update_time = time.time()
         self.max_staleness_seen = 0
         self.alerted = False
+        if saved is not None:  # every server restarts from the same update: the workers re-pull from there
+            self.opt.load_state_dict(saved["optim"])
+            self.sched.load_state_dict(saved["sched"])
+            self.version = self.max_pushed = int(saved["step"])
+            self.max_staleness_seen = int(saved.get("max_staleness_seen", 0))
+            self.alerted = bool(saved.get("alerted", False))
+            self.rows = list(saved.get("rows", []))
 
     # ------------------------------------------------------------------------------------------- protocol
     async def pull(self, min_version: int) -> tuple[int, torch.Tensor]:
@@ -138,6 +163,21 @@ class ParameterServer:
     async def params_flat(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self.params])
 
+    def _checkpoint(self, step: int) -> None:
+        """This shard's state after update ``step`` (``workers.ps_checkpoint``), then prune its older files."""
+        assert self.ckpt_dir is not None
+        state = {
+            "params": [p.detach().clone() for p in self.params],
+            "optim": self.opt.state_dict(),
+            "sched": self.sched.state_dict(),
+            "max_staleness_seen": self.max_staleness_seen,
+            "alerted": self.alerted,
+            # server 0's rows not taken yet (their steps are not trained again after a restore): sent once more
+            "rows": list(self.rows),
+        }
+        save_shard(self.ckpt_dir, step, self.index, state)
+        prune(self.ckpt_dir, self.spec.layout.ps_shards, self.spec.checkpoint.keep)
+
     # -------------------------------------------------------------------------------------------- updates
     def _expected(self, step: int) -> set[int]:
         return {w for w, first in self.joined.items() if first <= step}
@@ -172,8 +212,18 @@ class ParameterServer:
         self.version = step
         stale = [s for _, s, _ in got.values()]
         self.max_staleness_seen = max(self.max_staleness_seen, *stale)
-        if self.index != 0:
-            return
+        if self.index == 0:
+            self._record(step, got, float(norm), lr)
+        every = self.spec.checkpoint.every_steps
+        if self.ckpt_dir and every and step % every == 0 and step < self.spec.train.steps:
+            self._checkpoint(step)
+
+    def _record(
+        self, step: int, got: dict[int, tuple[torch.Tensor, int, dict[str, float]]], norm: float, lr: float
+    ) -> None:
+        """Server 0: the update's metric row (and a sync_alert once staleness reaches the bound)."""
+        n = len(got)
+        stale = [s for _, s, _ in got.values()]
         now = time.time()
         period = max(now - self.last_update_time, 1e-9)
         self.last_update_time = now
@@ -186,7 +236,7 @@ class ParameterServer:
                 "loss": loss,
                 "tokens_per_s": tokens / period,
                 "step_time_s": period,
-                "grad_norm": float(norm) if self.spec.layout.ps_shards == 1 else None,
+                "grad_norm": norm if self.spec.layout.ps_shards == 1 else None,
                 "lr": lr,
                 "time": now,
                 "staleness_mean": sum(stale) / n,

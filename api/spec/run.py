@@ -244,6 +244,11 @@ class StepFault(_Spec):
     at_step: int = Field(ge=1, le=MAX_STEPS, description="Step (1-based) at which it hits (first attempt only).")
 
 
+class PSFault(_Spec):
+    shard: int = Field(0, ge=0, lt=64, description="async_ps: the parameter server (shard index) the fault hits.")
+    at_step: int = Field(ge=1, le=MAX_STEPS, description="Once server 0 has applied this update (first time only).")
+
+
 class FaultsSpec(_Spec):
     """Chaos testing: injected faults (the service allows them for admins or with MESHRUN_ALLOW_FAULTS).
     ``hang_rank`` and ``kill_rank`` fire in the first attempt only, so a recovered run can finish."""
@@ -251,6 +256,9 @@ class FaultsSpec(_Spec):
     slow_rank: SlowRankFault | None = Field(None, description="Add delay_s of compute to one rank every step.")
     hang_rank: StepFault | None = Field(None, description="The rank stops making progress at at_step (in compute).")
     kill_rank: StepFault | None = Field(None, description="The rank's process is killed (SIGKILL) at at_step.")
+    kill_ps: PSFault | None = Field(
+        None, description="async_ps: the parameter server actor is killed (ray.kill) once update at_step is applied."
+    )
 
 
 class ResourcesSpec(_Spec):

@@ -291,6 +291,8 @@ def check_spec(spec: RunSpec) -> SpecCheck:
 
     if spec.precision == "fp16" and lay.zero_stage >= 2:
         chk.warn("precision", "fp16 with FSDP uses a sharded gradient scaler; bf16 is simpler where supported")
+    if spec.faults is not None and spec.faults.kill_ps is not None and lay.sync != "async_ps":
+        chk.error("faults.kill_ps", "kill_ps hits a parameter server: it needs layout.sync async_ps")
     if spec.faults is not None:
         for name in ("slow_rank", "hang_rank", "kill_rank"):
             fault = getattr(spec.faults, name)
@@ -340,11 +342,16 @@ def _check_sync(spec: RunSpec, chk: SpecCheck) -> None:
                 "layout.sync async_ps trains in fp32 (the servers keep fp32 parameters); use precision fp32",
                 "unsupported_layout",
             )
-        if spec.checkpoint.every_steps:
+        if not spec.checkpoint.every_steps:
             chk.warn(
                 "checkpoint.every_steps",
-                "async_ps writes no checkpoints yet (the servers' state lives in Ray actors); lost workers are "
-                "replaced from the servers, a lost server fails the run",
+                "async_ps without checkpoint.every_steps: a lost parameter server restarts every server from the "
+                "initial parameters (step 0); set every_steps to bound the steps lost",
+            )
+        if spec.faults is not None and spec.faults.kill_ps is not None and spec.faults.kill_ps.shard >= lay.ps_shards:
+            chk.error(
+                "faults.kill_ps.shard",
+                f"shard {spec.faults.kill_ps.shard} does not exist: ps_shards is {lay.ps_shards}",
             )
         if lay.ps_shards > 1 and spec.optimizer.grad_clip is not None:
             chk.error(

@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -134,9 +135,22 @@ def _on_term(signum: int, _frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _run_async_ps(spec: RunSpec, plan: Plan, channel: Any) -> None:
+def _ps_checkpoint_dir(spec: RunSpec, settings: Settings, run_id: str) -> str | None:
+    """Where the parameter servers checkpoint (``<storage>/<run id>/ps``; None: no every_steps, or remote storage)."""
+    if not spec.checkpoint.every_steps:
+        return None
+    storage = spec.checkpoint.storage or str(settings.checkpoint_root)
+    if "://" in storage:
+        logger.warning("run %s: async_ps checkpoints need a local directory, not %s: none written", run_id, storage)
+        return None
+    local = Path(storage).expanduser()
+    return str((local if local.is_absolute() else Path(settings.data_dir) / local) / run_id / "ps")
+
+
+def _run_async_ps(spec: RunSpec, plan: Plan, channel: Any, ckpt_dir: str | None) -> None:
     """layout.sync async_ps: parameter servers and workers as Ray actors (``workers.async_ps``), no TorchTrainer.
-    Rows go to the run's channel as they come; a lost worker is a run event, not a failed attempt."""
+    Rows go to the run's channel as they come; a lost worker is a run event, not a failed attempt, and so is a
+    lost parameter server (every server restored from the latest checkpoint in ``ckpt_dir``)."""
     attempt = ray.get(channel.begin_attempt.remote({"cause": "start (async_ps: parameter servers)", "ranks": []}))
 
     def sink(row: dict[str, Any]) -> None:
@@ -145,7 +159,12 @@ def _run_async_ps(spec: RunSpec, plan: Plan, channel: Any) -> None:
     def lost(worker: int, reason: str) -> None:
         channel.event.remote("worker_lost", f"{reason}; the run goes on, a replacement rejoins from the servers")
 
-    summary = run_async_ps(spec, plan, sink=sink, on_worker_lost=lost)
+    def restored(servers: list[int], step: int, text: str) -> None:
+        logger.warning("async_ps: %s", text)
+        channel.event.remote("ps_restored", text)
+
+    summary = run_async_ps(spec, plan, sink=sink, on_worker_lost=lost, ckpt_dir=ckpt_dir, on_ps_restored=restored)
+    summary.pop("ps_restores", None)
     for key in ("final_params", "split"):
         summary.pop(key, None)
     ray.get(channel.done.remote(summary))
@@ -198,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         with life.channel(first_attempt=first_attempt) as channel, watch_preempt_requests(factory, run_id, channel):
             try:
                 if spec.layout.sync == "async_ps":
-                    _run_async_ps(spec, plan, channel)
+                    _run_async_ps(spec, plan, channel, _ps_checkpoint_dir(spec, settings, run_id))
                 else:
                     life.phase(placing_phase(plan))
                     build_trainer(

@@ -51,3 +51,20 @@ def test_unsupported_combinations_are_422_naming_the_field(client, spec, param, 
 def test_async_ps_with_shards_and_no_clipping_is_accepted(client) -> None:
     spec = {**_spec(sync="async_ps", ps_shards=2), "optimizer": {"grad_clip": None}}
     assert client.post("/v1/runs", json=spec).status_code == 201
+
+
+def test_async_ps_checkpoint_warning_and_kill_ps_fault_rules() -> None:
+    from api.spec import RunSpec, check_spec
+
+    def issues(spec: dict) -> tuple[dict, dict]:
+        chk = check_spec(RunSpec.model_validate(spec))
+        return {i.param: i.message for i in chk.errors}, {i.param: i.message for i in chk.warnings}
+
+    errors, warnings = issues(_spec(sync="async_ps"))
+    assert not errors and "initial parameters" in warnings["checkpoint.every_steps"]
+    errors, warnings = issues({**_spec(sync="async_ps"), "checkpoint": {"every_steps": 2}})
+    assert not errors and "checkpoint.every_steps" not in warnings
+    errors, _ = issues({**_spec(sync="async_ps"), "faults": {"kill_ps": {"shard": 1, "at_step": 2}}})
+    assert "ps_shards is 1" in errors["faults.kill_ps.shard"]
+    errors, _ = issues({**_spec(sync="diloco"), "faults": {"kill_ps": {"at_step": 2}}})
+    assert "async_ps" in errors["faults.kill_ps"]

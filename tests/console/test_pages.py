@@ -193,3 +193,57 @@ def test_sweeps_cluster_and_docs_pages_render_offline(live_service, finished, co
     page.wait_for_function("window.meshrunCharts && window.meshrunCharts.loss")
     page.shot("run-dark")
     assert reqs.outside() == [], reqs.outside()
+
+
+def test_async_ps_run_page_draws_its_staleness_and_traffic(live_service, console):
+    """An async_ps run (one worker slowed, so the other runs ahead): its page draws staleness (mean and max) and
+    the cross-group bytes per step from its rows; replica divergence (local SGD / DiLoCo only) stays hidden."""
+    url = live_service.url
+    spec = tiny_spec("console-async-ps", dp=2, steps=6, layout={"sync": "async_ps", "max_staleness": 2},
+                     faults={"slow_rank": {"rank": 1, "delay_s": 0.2}},
+                     resources={"device": "cpu", "cpus_per_worker": 0.5})
+    run = wait_for(url, submit(url, spec)["id"], {"SUCCEEDED"}, timeout_s=400)
+    rows = metrics(url, run["id"])
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    page, reqs = console(url)
+    page.goto(f"{url}/runs/{run['id']}")
+    page.wait_for_function("window.meshrunCharts && meshrunCharts.staleness && meshrunCharts.cross_group_bytes")
+    assert page.evaluate("meshrunCharts.staleness.series.map(s => s.label)") == ["step", "mean", "max"]
+    drawn = page.evaluate("meshrunCharts.staleness.data")
+    assert drawn[0] == [r["step"] for r in rows]
+    assert drawn[1] == pytest.approx([r["staleness_mean"] for r in rows])
+    assert drawn[2] == [r["staleness_max"] for r in rows]
+    assert page.evaluate("meshrunCharts.cross_group_bytes.data[1]") == [r["cross_group_bytes"] for r in rows]
+    for name in ("staleness", "cross_group_bytes"):  # really drawn: a visible canvas with a size
+        card = page.locator(f"[data-sync-chart='{name}']")
+        assert card.is_visible() and card.locator("canvas").bounding_box()["width"] > 100, name
+    assert "bound 2" in page.inner_text("[data-sync-chart='staleness']")
+    assert page.locator("[data-sync-chart='replica_divergence']").is_hidden()
+    assert "replica_divergence" not in page.evaluate("Object.keys(meshrunCharts)")
+    page.shot("run-async-ps")
+    assert reqs.outside() == [], reqs.outside()
+
+
+def test_diloco_run_page_draws_replica_divergence(live_service, console):
+    """A DiLoCo run (H = 2): its page draws the replicas' divergence before each sync and the cross-group bytes;
+    staleness (async_ps only) stays hidden."""
+    url = live_service.url
+    spec = tiny_spec("console-diloco", dp=2, steps=4, layout={"sync": "diloco", "sync_every_steps": 2})
+    run = wait_for(url, submit(url, spec)["id"], {"SUCCEEDED"}, timeout_s=400)
+    rows = metrics(url, run["id"])
+    divergence = [r["replica_divergence"] for r in rows]
+    assert [d is not None for d in divergence] == [False, True, False, True]  # at each sync
+    page, reqs = console(url)
+    page.goto(f"{url}/runs/{run['id']}")
+    page.wait_for_function("window.meshrunCharts && meshrunCharts.replica_divergence")
+    drawn = page.evaluate("meshrunCharts.replica_divergence.data[1]")
+    assert [d is None for d in drawn] == [d is None for d in divergence]
+    assert [d for d in drawn if d is not None] == pytest.approx([d for d in divergence if d is not None])
+    assert page.evaluate("meshrunCharts.cross_group_bytes.data[1]") == [r["cross_group_bytes"] for r in rows]
+    for name in ("replica_divergence", "cross_group_bytes"):
+        card = page.locator(f"[data-sync-chart='{name}']")
+        assert card.is_visible() and card.locator("canvas").bounding_box()["width"] > 100, name
+    assert "every 2 steps" in page.inner_text("[data-sync-chart='replica_divergence']")
+    assert page.locator("[data-sync-chart='staleness']").is_hidden()
+    page.shot("run-diloco")
+    assert reqs.outside() == [], reqs.outside()

@@ -1,6 +1,8 @@
-"""An async_ps run through the service: one worker is killed mid-run, the run goes on and SUCCEEDS."""
+"""async_ps runs through the service: a killed worker or a killed parameter server, the run goes on and SUCCEEDS."""
 
 from __future__ import annotations
+
+import re
 
 from tests.ray.helpers import events, metrics, submit, tiny_spec, wait_for
 
@@ -25,3 +27,31 @@ def test_async_ps_run_survives_a_killed_worker(live_service) -> None:
     assert rows[-1]["workers_in_update"] == 2  # its replacement rejoined
     kinds = [e["kind"] for e in events(url, run["id"])]
     assert "worker_lost" in kinds
+
+
+def test_async_ps_run_restores_a_killed_parameter_server(live_service) -> None:
+    """``faults.kill_ps``: the driver ``ray.kill``s server 1 after update 5; every server restarts from the latest
+    complete checkpoint (every 2 updates), the workers re-pull, and the run SUCCEEDS with every step."""
+    url = live_service.url
+    spec = tiny_spec(
+        "e2e-async-ps-kill-server",
+        dp=2,
+        steps=8,
+        layout={"sync": "async_ps", "max_staleness": 1, "ps_shards": 2},
+        optimizer={"grad_clip": None},
+        checkpoint={"every_steps": 2, "keep": 1},
+        faults={"kill_ps": {"shard": 1, "at_step": 5}},
+        resources={"device": "cpu", "cpus_per_worker": 0.5},
+    )
+    run = submit(url, spec)
+    done = wait_for(url, run["id"], {"SUCCEEDED"}, timeout_s=400)
+    assert done["status"] == "SUCCEEDED"
+    restored = [e["reason"] for e in events(url, run["id"]) if e["kind"] == "ps_restored"]
+    assert len(restored) == 1, restored
+    m = re.search(r"parameter server 1 lost; all 2 server\(s\) restored from the checkpoint of step (\d+)", restored[0])
+    assert m is not None, restored[0]
+    assert int(m.group(1)) in (2, 4, 6)
+    rows = metrics(url, run["id"])
+    assert [r["step"] for r in rows] == list(range(1, 9))  # the steps after the checkpoint were trained again
+    losses = [r["loss"] for r in rows]
+    assert losses[-1] < losses[int(m.group(1))] < losses[0]  # and the loss kept falling after the restore

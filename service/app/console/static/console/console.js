@@ -193,6 +193,21 @@
       chart("peak_memory_bytes", $("#chart-mem"), { x: xs, yFmt: fmt.bytes, series: [{ label: "peak memory", values: col("peak_memory_bytes"), color: css("--c5") }] });
       chart("comm_fraction", $("#chart-comm"), { x: xs, yFmt: fmt.pct, yRange: shareRange, series: [{ label: "communication", values: col("comm_fraction"), color: css("--c2") }],
         empty: "Not measured for this run (no data-parallel collectives timed)" });
+      // layout.sync async_ps / local_sgd / diloco: their cards appear only when the rows carry their metrics
+      syncChart("staleness", { x: xs, yRange: fromZero, series: [
+        { label: "mean", values: col("staleness_mean"), color: css("--c2") },
+        { label: "max", values: col("staleness_max"), color: css("--c5"), dash: [5, 4] }] });
+      syncChart("cross_group_bytes", { x: xs, yFmt: fmt.bytes, yRange: fromZero,
+        series: [{ label: "bytes/step", values: col("cross_group_bytes"), color: css("--c3") }] });
+      syncChart("replica_divergence", { x: xs, points: true,
+        series: [{ label: "divergence", values: col("replica_divergence"), color: css("--c4") }] });
+    }
+    function syncChart(name, spec) {
+      var card = document.querySelector('[data-sync-chart="' + name + '"]');
+      if (!card) return;
+      var has = spec.series.some(function (s) { return s.values.some(function (v) { return v != null; }); });
+      card.hidden = !has;
+      if (has) chart(name, card.querySelector(".chart"), spec);
     }
     function load() { return api("GET", seriesUrl).then(draw).catch(function (e) { toast("metrics: " + e.message, true); }); }
 
