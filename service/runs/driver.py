@@ -113,7 +113,7 @@ def _head_verdict(factory: Any, run_id: str, job_id: str | None, address: str | 
 
 ELASTIC_VERDICT_S = 60.0  # how long an elastic run's driver waits for the service to re-plan it after a node loss
 NODE_DEATH_S = 30.0  # how long Ray may take to mark a lost node dead (its health checks)
-NODE_LOSS_WORDS = ("NodeDied", "ActorDied", "node died", "Connection closed by peer", "remote worker crashing")
+NODE_LOSS_WORDS = ("NodeDied", "ActorDied", "node died", "closed by peer", "reset by peer", "remote worker")
 
 
 def _dead_nodes(rank_nodes: dict[str, str] | None) -> list[str]:

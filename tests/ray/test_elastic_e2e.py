@@ -40,7 +40,7 @@ def test_node_lost_for_good_shrinks_to_dp2_then_grows_back(live_service, ray_clu
     url = live_service.url
     head = next(n for n in ray_cluster.alive_nodes() if n.is_head)
     cpus = head.total["CPU"] / 3  # the head holds 3 workers, not 4: dp4 needs the second node, dp2 fits the head
-    node = ray_cluster.add_node(num_cpus=math.ceil(cpus))
+    node = _add_node(ray_cluster, math.ceil(cpus))
     try:
         ref = submit(url, _spec("e2e-elastic-ref", cpus))
         ref_done = wait_for(url, ref["id"], {"SUCCEEDED"}, timeout_s=600)
@@ -65,7 +65,7 @@ def test_node_lost_for_good_shrinks_to_dp2_then_grows_back(live_service, ray_clu
         assert set(now["rank_nodes"].values()) == {head.node_id}
 
         # capacity returns: the run grows back to dp4 at a checkpoint boundary
-        node = ray_cluster.add_node(num_cpus=math.ceil(cpus))
+        node = _add_node(ray_cluster, math.ceil(cpus))
         done = wait_for(url, run["id"], {"SUCCEEDED"}, timeout_s=600)
         changes = _elastic(url, run["id"])
         assert len(changes) == 2, changes
@@ -80,6 +80,17 @@ def test_node_lost_for_good_shrinks_to_dp2_then_grows_back(live_service, ray_clu
     finally:
         if node in ray_cluster.extra:
             ray_cluster.remove_node(node)
+
+
+def _add_node(ray_cluster, cpus: int, tries: int = 3):
+    """A second node; ``ray start`` itself times out now and then on a loaded machine (the GCS answers late)."""
+    for i in range(tries):
+        try:
+            return ray_cluster.add_node(num_cpus=cpus)
+        except RuntimeError:
+            if i + 1 == tries:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _wait_elastic(url: str, run_id: str, n: int, timeout_s: float = 300) -> list[str]:
