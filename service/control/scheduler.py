@@ -196,11 +196,14 @@ class Scheduler:
                 if r.status == RunStatus.RUNNING.value and not r.sweep_id and r.plan and r.rank_nodes
                 if (r.spec or {}).get("elastic")
             ]
-        runs = [r for r in runs if r[0] not in self.growing and r[0] not in self.preempting]
+        reserved = self._reserved()  # also forgets admitted runs whose workers are up
+        # a run admitted moments ago still names its previous attempt's nodes, and its driver may not watch for
+        # requests yet: it is judged once its workers are up
+        skip = set(self.growing) | set(self.preempting) | set(self.pending)
+        runs = [r for r in runs if r[0] not in skip]
         if not runs:
             return
         views = self.cluster.nodes()
-        reserved = self._reserved()
         free = [
             NodeCapacity(
                 n.node_id, n.total, {k: v - reserved.get(n.node_id, {}).get(k, 0.0) for k, v in n.free.items()}

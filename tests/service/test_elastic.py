@@ -185,3 +185,20 @@ def test_an_elastic_run_below_max_dp_grows_back_through_a_checkpoint(sched, tmp_
         assert run.plan["dp"] == 4 and run.spec["layout"]["dp"] == 4 and run.status == "STARTING"
         elastic = [e.reason for e in store.list_events(s, run_id=rid, kinds=["elastic"], limit=10)]
     assert any("capacity returned" in r and "dp=2 tp=1 pp=1 -> dp=4 tp=1 pp=1" in r for r in elastic), elastic
+
+
+def test_a_failed_elastic_driver_waits_for_the_services_verdict(sched, tmp_path, monkeypatch) -> None:
+    """The driver of an elastic run whose workers failed leaves the run alone once the service re-queued it (True), and
+    ends it as usual when nothing says a node was lost (False, after NODE_DEATH_S)."""
+    from service.runs import driver
+    from service.runs.lifecycle import RunLifecycle
+
+    rid, job, _ = _running(sched, tmp_path, {"0": "n1", "1": "n2"})
+    life = RunLifecycle(sched.factory, rid, actor="driver", job_id=job)
+    monkeypatch.setattr(driver, "NODE_DEATH_S", 0.0)
+    monkeypatch.setattr(driver, "_dead_nodes", lambda rank_nodes: [])
+    monkeypatch.setattr(driver.time, "sleep", lambda s: None)
+    assert driver._elastic_verdict(life, ValueError("user code")) is False
+    with session_scope(sched.factory) as s:  # the scheduler re-planned it
+        store.transition(s, run_id=rid, to="QUEUED", reason="elastic: node lost")
+    assert driver._elastic_verdict(life, RuntimeError("Connection reset by peer")) is True
