@@ -160,6 +160,7 @@ class Runtime:
         if self.scheduler is not None:
             self.scheduler.pending.clear()
             self.scheduler.replanning.clear()
+            self.scheduler.growing.clear()
             self.scheduler.preempting.clear()
         requeued = requeue_lost_runs(self.factory, detail=detail)
         logger.warning("Ray head restarted at %s; %d run(s) requeued", self.ray_cluster.address, len(requeued))
@@ -271,6 +272,7 @@ class Runtime:
         if self.scheduler is not None:
             self.scheduler.pending.pop(run_id, None)
             self.scheduler.replanning.pop(run_id, None)  # a cancel during an elastic re-plan stays a cancel
+            self.scheduler.growing.pop(run_id, None)
             self.scheduler.preempting.pop(run_id, None)
         if not job_id or self._jobs is None:
             return

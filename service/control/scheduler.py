@@ -12,7 +12,12 @@
   same queue: admitted, it only moves to STARTING (its sweep's driver waits for that, then starts its workers).
 - reconcile: every STARTING/RUNNING run against its Ray Job: pending/running -> keep; gone, failed, stopped or
   finished without the driver having ended the run -> FAILED "driver lost" with Ray's message; a running run whose
-  pinned node died -> FAILED "node lost" (and its job stopped). Runs keep their metrics. Also done once at start-up.
+  pinned node died -> FAILED "node lost" (and its job stopped), unless it is elastic and a smaller layout within its
+  bounds fits what remains: then it is re-queued at once in that layout from its latest checkpoint
+  (``service.control.elastic``) and admitted once its old job has ended. Runs keep their metrics. Also done once at
+  start-up.
+- grow back: with nothing queued, an elastic run below its ``max_dp`` for which a larger layout fits the free
+  resources is asked to checkpoint and yield (the preemption path); queued again, it gets the larger layout.
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ from service import store
 from service.cluster.env import job_runtime_env, python_command
 from service.cluster.head import NodeView
 from service.cluster.jobs import JobsBackend, submission_id, submission_number, trim
-from service.cluster.placement import NodeCapacity, Placement, add_reservations, reservation
+from service.cluster.placement import NodeCapacity, Placement, add_reservations, place, reservation
 from service.control.admission import Candidate, Decision, decide
-from service.control.elastic import Replan, replan
+from service.control.elastic import EVENT_KIND as ELASTIC_EVENT
+from service.control.elastic import Replan, grow, held_per_node, lost_nodes, max_dp, replan, with_own
 from service.control.priorities import Holding, choose_victims, quota_waits
 from service.runs.preemption import PREEMPT_REQUEST
 from service.security.policy import resolve_code_dir
@@ -83,7 +89,8 @@ class Scheduler:
         self.jobs = jobs
         self.pending: dict[str, _Pending] = {}
         self.preempting: dict[str, str] = {}  # run asked to yield -> the run it yields to
-        self.replanning: dict[str, Replan] = {}  # elastic runs being stopped, to re-queue in their new layout
+        self.replanning: dict[str, str] = {}  # run re-queued by an elastic re-plan -> its previous Ray Job
+        self.growing: dict[str, Replan] = {}  # elastic runs asked to yield at a checkpoint -> their larger layout
         self.last_error: str | None = None
 
     # ------------------------------------------------------------------------------------------- helpers
@@ -140,7 +147,9 @@ class Scheduler:
 
     def admit(self) -> list[str]:
         """One admission pass: observe (queue, nodes, reservations, runs holding workers), decide (project quotas,
-        ``admission.decide``, preemption: all pure), act. Returns the admitted run ids."""
+        ``admission.decide``, preemption: all pure), act. Returns the admitted run ids. With nothing queued, elastic
+        runs below their ``max_dp`` may grow back (``_grow``)."""
+        self._apply_growth()
         with session_scope(self.factory) as s:
             queued = store.queued_runs(s)
             queue = [Candidate(id=r.id, plan=r.plan, priority=r.priority or 0, queued_at=r.created_at) for r in queued]
@@ -155,7 +164,14 @@ class Scheduler:
         # a victim that yielded and came back is a run like any other: it may be asked again
         self.preempting = {k: v for k, v in self.preempting.items() if k in {h.id for h in holding}}
         if not queue:
+            self._grow()
             return []
+        held = self._held()
+        for run_id in held & set(runs):
+            with session_scope(self.factory) as s:
+                wait = f"re-planned: waiting for its previous Ray Job {self.replanning[run_id]} to stop"
+                store.set_reason(s, run_id=run_id, reason=wait)
+        queue = [c for c in queue if c.id not in held]
         over = quota_waits(queue, {k: v[1] for k, v in runs.items()}, holding, self.settings.project_max_workers)
         for run_id, reason in over.items():
             with session_scope(self.factory) as s:
@@ -176,6 +192,70 @@ class Scheduler:
             if ok:
                 admitted.append(d.candidate.id)
         return admitted
+
+    def _grow(self) -> None:
+        """Elastic runs below their ``max_dp`` while nothing waits: when a larger layout fits what is free (plus what
+        the run holds), ask the run to checkpoint and yield (a ``preempt_request``: its driver re-queues it from the
+        checkpoint); it gets the larger layout while queued (``_apply_growth``)."""
+        with session_scope(self.factory) as s:
+            runs = [
+                (r.id, r.spec, r.plan, dict(r.rank_nodes or {}))
+                for r in store.active_runs(s)
+                if r.status == RunStatus.RUNNING.value and not r.sweep_id and r.plan and r.rank_nodes
+                if (r.spec or {}).get("elastic")
+            ]
+        reserved = self._reserved()  # also forgets admitted runs whose workers are up
+        # a run admitted moments ago still names its previous attempt's nodes, and its driver may not watch for
+        # requests yet: it is judged once its workers are up
+        skip = set(self.growing) | set(self.preempting) | set(self.pending)
+        runs = [r for r in runs if r[0] not in skip]
+        if not runs:
+            return
+        views = self.cluster.nodes()
+        free = [
+            NodeCapacity(
+                n.node_id, n.total, {k: v - reserved.get(n.node_id, {}).get(k, 0.0) for k, v in n.free.items()}
+            )
+            for n in views
+            if n.alive
+        ]
+        for run_id, spec_json, plan_json, rank_nodes in runs:
+            spec, plan = RunSpec.model_validate(spec_json), Plan.model_validate(plan_json)
+            if spec.elastic is None or plan.dp >= max_dp(spec, plan) or lost_nodes(rank_nodes, views):
+                continue
+            why = "capacity returned: a larger layout fits the free resources"
+            new = grow(spec, plan, with_own(free, held_per_node(rank_nodes, plan)), why=why)
+            if new is None:
+                continue
+            self.growing[run_id] = new
+            with session_scope(self.factory) as s:
+                store.add_event(s, run_id=run_id, kind=PREEMPT_REQUEST, reason=new.reason, actor="scheduler")
+            logger.info("run %s: %s", run_id, new.reason)
+            return  # one at a time: the next tick sees what it freed and took
+
+    def _apply_growth(self) -> None:
+        """Runs asked to yield to grow back, now queued again (their driver re-queued them from the checkpoint): their
+        larger layout, with an ``elastic`` event. Ended ones (finished first, cancelled) are forgotten."""
+        for run_id, new in list(self.growing.items()):
+            with session_scope(self.factory) as s:
+                try:
+                    run = store.get_run(s, run_id=run_id, lock=True)
+                except store.NotFound:
+                    self.growing.pop(run_id, None)
+                    continue
+                if run.status in (RunStatus.RUNNING.value, RunStatus.STARTING.value, RunStatus.PREEMPTED.value):
+                    continue  # not yielded yet
+                self.growing.pop(run_id, None)
+                if run.status != RunStatus.QUEUED.value:
+                    continue
+                if not place(new.plan.model_dump(mode="json"), self.capacities(), use_free=False).fits:
+                    continue  # the capacity went away again: it resumes in its current layout
+                ck = store.latest_checkpoint(s, run_id=run_id)
+                where = f" (from the checkpoint of step {ck.step})" if ck is not None else ""
+                run.spec = new.spec.model_dump(mode="json")
+                run.plan = new.plan.model_dump(mode="json")
+                store.add_event(s, run_id=run_id, kind=ELASTIC_EVENT, reason=trim(new.reason + where, 1000))
+            logger.info("run %s: %s", run_id, new.reason)
 
     def _act_trial(self, d: Decision, *, attempts: int) -> bool:
         """A sweep trial's run in the queue: admitted -> STARTING (its sweep's driver, waiting for this, then starts
@@ -328,20 +408,16 @@ class Scheduler:
             logger.warning("run %s: could not check its previous Ray Job %s", run_id, old_job, exc_info=True)
 
     def reconcile(self) -> list[str]:
-        """Fail runs whose driver is gone (or whose pinned node died). Returns their ids."""
-        self._requeue_replanned()
+        """Fail runs whose driver is gone (or whose pinned node died; an elastic run is re-planned instead).
+        Returns the failed run ids."""
         with session_scope(self.factory) as s:
             # queued sweep trials too: their sweep's Ray Job gone, they would block the queue forever
             runs = store.active_runs(s) + [r for r in store.queued_runs(s) if r.sweep_id and r.ray_job_id]
             active = [(r.id, r.status, r.ray_job_id, dict(r.rank_nodes or {}), bool(r.sweep_id)) for r in runs]
         lost: list[str] = []
-        dead: set[str] | None = None
+        views: list[NodeView] | None = None
         for run_id, status, job_id, rank_nodes, trial in active:
             stop_after: str | None = None
-            if run_id in self.replanning:  # being stopped for an elastic re-plan
-                if job_id and self.jobs.state(job_id).status not in ("PENDING", "RUNNING"):
-                    self._fail_lost(run_id, "stopped for an elastic re-plan")  # its driver did not end it
-                continue
             if not job_id:
                 if run_id in self.pending:
                     continue
@@ -366,12 +442,10 @@ class Scheduler:
                 else:
                     if status != RunStatus.RUNNING.value or not rank_nodes:
                         continue
-                    if dead is None:
-                        dead = {n.node_id for n in self.cluster.nodes() if not n.alive}
-                    gone = sorted({n for n in rank_nodes.values() if n in dead})
-                    if not gone or run_id in self.replanning:
-                        continue
-                    if trial:
+                    if views is None:
+                        views = self.cluster.nodes()
+                    gone = lost_nodes(rank_nodes, views)
+                    if not gone or trial:
                         continue  # a trial's job is its sweep's: the sweep's driver sees its workers die
                     if self._replan(run_id, job_id, gone):
                         continue
@@ -394,52 +468,60 @@ class Scheduler:
         return lost
 
     def _replan(self, run_id: str, job_id: str, gone: list[str]) -> bool:
-        """A run with ``spec.elastic`` lost nodes: re-plan it for the alive nodes (``service.control.elastic``), stop
-        its job, and re-queue it once its driver ended (``_requeue_replanned``). False: not elastic or nothing fits."""
-        with session_scope(self.factory) as s:
-            run = store.get_run(s, run_id=run_id)
-            spec, plan = RunSpec.model_validate(run.spec), Plan.model_validate(run.plan) if run.plan else None
-        if spec.elastic is None or plan is None:
-            return False
-        alive = self.capacities()
+        """A running run with ``spec.elastic`` lost nodes: re-plan it for the alive nodes (``service.control.elastic``)
+        and re-queue it at once in the new layout from its latest checkpoint (which revokes its driver: it writes
+        nothing more), then stop its job; it is admitted again once that job has ended (``_held``). False: not
+        elastic, or nothing fits (the caller fails the run)."""
         why = f"node lost: {', '.join(g[:12] for g in gone)} of this run's workers died"
-        new = replan(spec, plan, alive, why=why)
-        if new is None:
-            return False
-        self.replanning[run_id] = new
         with session_scope(self.factory) as s:
-            store.add_event(s, run_id=run_id, kind="elastic", reason=new.reason, actor="scheduler")
-        logger.warning("run %s: %s", run_id, new.reason)
+            run = store.get_run(s, run_id=run_id, lock=True)
+            if run.status != RunStatus.RUNNING.value or run.ray_job_id != job_id:
+                return True  # ended or moved meanwhile: judged at the next tick
+            spec, plan = RunSpec.model_validate(run.spec), Plan.model_validate(run.plan) if run.plan else None
+            if spec.elastic is None or plan is None:
+                return False
+            new = replan(spec, plan, self.capacities(), why=why)
+            if new is None:
+                return False
+            ck = store.latest_checkpoint(s, run_id=run_id)
+            where = f"the checkpoint of step {ck.step}" if ck is not None else "its start (no checkpoint yet)"
+            reason = trim(f"{new.reason} (from {where})", 1000)
+            if run.attempts:
+                store.finish_attempt(s, run_id=run_id, attempt=run.attempts, status=RunStatus.FAILED.value, cause=why)
+            store.add_event(s, run_id=run_id, kind=ELASTIC_EVENT, reason=reason, actor="scheduler")
+            store.transition(
+                s,
+                run_id=run_id,
+                to=RunStatus.QUEUED,
+                reason=reason,
+                actor="scheduler",
+                allow_from=[RunStatus.RUNNING],
+                spec=new.spec.model_dump(mode="json"),
+                plan=new.plan.model_dump(mode="json"),
+                resume_from=ck.path if ck is not None else run.resume_from,
+                summary=None,
+            )
+        self.replanning[run_id] = job_id
+        self.pending.pop(run_id, None)
+        self.growing.pop(run_id, None)  # a grow asked before the loss is void
+        logger.warning("run %s: %s", run_id, reason)
         try:
             self.jobs.stop(job_id)
         except Exception:
             logger.exception("stopping Ray Job %s failed", job_id)
         return True
 
-    def _requeue_replanned(self) -> None:
-        """Re-queue the re-planned runs whose driver has ended (stopped: CANCELLED or FAILED by now)."""
-        for run_id, new in list(self.replanning.items()):
-            with session_scope(self.factory) as s:
-                run = store.get_run(s, run_id=run_id)
-                status = RunStatus(run.status)
-                if status in (RunStatus.RUNNING, RunStatus.STARTING):
-                    continue  # its driver has not ended yet
+    def _held(self) -> set[str]:
+        """Re-planned runs whose previous Ray Job still runs: not admitted until it ended (a run never has two
+        drivers, and the next one must not find the old one's channel)."""
+        for run_id, job_id in list(self.replanning.items()):
+            try:
+                ended = self.jobs.state(job_id).terminal
+            except Exception:
+                ended = False
+            if ended:
                 self.replanning.pop(run_id, None)
-                if status not in (RunStatus.FAILED, RunStatus.CANCELLED):
-                    continue
-                ck = store.latest_checkpoint(s, run_id=run_id)
-                store.transition(
-                    s,
-                    run_id=run_id,
-                    to=RunStatus.QUEUED,
-                    reason=trim(new.reason, 1000),
-                    actor="scheduler",
-                    allow_from=[RunStatus.FAILED, RunStatus.CANCELLED],
-                    spec=new.spec.model_dump(mode="json"),
-                    plan=new.plan.model_dump(mode="json"),
-                    resume_from=ck.path if ck is not None else run.resume_from,
-                    summary=None,
-                )
+        return set(self.replanning)
 
     def _fail_lost(self, run_id: str, reason: str) -> bool:
         """FAILED with ``reason`` (its attempt too, its summary from the stored metrics), unless the driver ended

@@ -123,6 +123,45 @@ def _head_verdict(factory: Any, run_id: str, job_id: str | None, address: str | 
     return None
 
 
+ELASTIC_VERDICT_S = 60.0  # how long an elastic run's driver waits for the service to re-plan it after a node loss
+NODE_DEATH_S = 30.0  # how long Ray may take to mark a lost node dead (its health checks)
+NODE_LOSS_WORDS = ("NodeDied", "ActorDied", "node died", "closed by peer", "reset by peer", "remote worker")
+
+
+def _dead_nodes(rank_nodes: dict[str, str] | None) -> list[str]:
+    """The run's nodes that Ray no longer lists alive."""
+    if not rank_nodes:
+        return []
+    try:
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    except Exception:
+        return []
+    return sorted({n for n in rank_nodes.values() if n not in alive})
+
+
+def _elastic_verdict(life: RunLifecycle, error: BaseException) -> bool:
+    """An elastic run whose workers failed, maybe because a node was lost: the service re-plans such a run (it
+    re-queues it in a smaller layout, which revokes this driver) once Ray has marked the node dead, which takes up to
+    its health-check timeout. Wait for that instead of ending the run FAILED: up to ELASTIC_VERDICT_S when the error
+    looks like a lost peer or one of the run's nodes is dead, else NODE_DEATH_S. True: the service took the run over
+    (this driver just ends)."""
+    text = f"{type(error).__name__}: {error} " + " ".join(life.recorder.worker_errors)
+    looks_lost = _ray_system_error(error) or any(w in text for w in NODE_LOSS_WORDS)
+    start = time.monotonic()
+    try:
+        while True:
+            with session_scope(life.factory) as s:
+                if not store.fence(s, run_id=life.run_id, job_id=life.job_id):
+                    return True
+            if _dead_nodes(life.recorder.rank_nodes):
+                looks_lost = True
+            if time.monotonic() - start > (ELASTIC_VERDICT_S if looks_lost else NODE_DEATH_S):
+                return False
+            time.sleep(1.0)
+    except KeyboardInterrupt:  # the service stopped this job after taking the run over
+        return True
+
+
 def _drop_channel(run_id: str) -> None:
     """Kill this run's channel actor, so that the next driver of the run opens a fresh one."""
     try:
@@ -242,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         lost = head_lost(os.environ.get(GCS_ADDRESS_ENV))
         if not lost and _ray_system_error(error):
             lost = _head_verdict(factory, run_id, os.environ.get(JOB_ID_ENV) or None, os.environ.get(GCS_ADDRESS_ENV))
+        if not lost and spec.elastic is not None and _elastic_verdict(life, error):
+            logger.info("run %s: the service re-planned the run after a node loss; this driver ends", run_id)
+            return 0
         # after the channel's last drain: the workers' errors are recorded
         outcome = Outcome(None, f"Ray head lost: {lost}") if lost else life.failed(error)
     elif outcome.status == RunStatus.SUCCEEDED:

@@ -10,7 +10,7 @@ from api.spec.validation import build_plan
 from service import store
 from service.cluster.head import NodeView
 from service.cluster.placement import NodeCapacity
-from service.control.elastic import replan
+from service.control.elastic import grow, held_per_node, replan, with_own
 from service.store.db import session_scope
 from tests.service.test_placement import FakeJobs
 
@@ -44,8 +44,9 @@ class Cluster:
     dashboard_url = None
 
     def __init__(self) -> None:
-        self.views = [NodeView(node_id=n, alive=True, address=None, total={"CPU": 2.0}, free={"CPU": 2.0})
-                      for n in ("n1", "n2")]
+        self.views = [
+            NodeView(node_id=n, alive=True, address=None, total={"CPU": 2.0}, free={"CPU": 2.0}) for n in ("n1", "n2")
+        ]
 
     def nodes(self):
         return self.views
@@ -66,41 +67,138 @@ def sched(tmp_path):
     engine.dispose()
 
 
-def test_a_lost_node_requeues_an_elastic_run_in_a_smaller_layout(sched, tmp_path) -> None:
+def _running(sched, tmp_path, rank_nodes):
+    """An elastic dp4 run admitted, RUNNING on ``rank_nodes`` with a checkpoint of step 10; (run id, its job)."""
     ck = tmp_path / "ck" / "step_10"
     ck.mkdir(parents=True)  # resume only names checkpoints that are still on disk
-    stopped: list[str] = []
-    sched.jobs.stop = lambda job_id: stopped.append(job_id) or True
     spec = RunSpec.model_validate(SPEC)
     with session_scope(sched.factory) as s:
-        run, _ = store.create_run(s, spec=spec.model_dump(mode="json"),
-                                  plan=build_plan(spec).model_dump(mode="json"), name="el")
+        run, _ = store.create_run(
+            s, spec=spec.model_dump(mode="json"), plan=build_plan(spec).model_dump(mode="json"), name="el"
+        )
         rid = run.id
     sched.tick()
     with session_scope(sched.factory) as s:
         job = store.get_run(s, run_id=rid).ray_job_id
     sched.jobs.states[job] = "RUNNING"
     with session_scope(sched.factory) as s:
-        store.transition(s, run_id=rid, to="RUNNING", reason="driver",
-                         rank_nodes={"0": "n1", "1": "n1", "2": "n2", "3": "n2"})
+        store.transition(s, run_id=rid, to="RUNNING", reason="driver", rank_nodes=rank_nodes)
+        store.start_attempt(s, run_id=rid, cause="start")
         store.add_checkpoint(s, run_id=rid, attempt=1, step=10, path=str(ck), size_bytes=1)
-    sched.cluster.views = [sched.cluster.views[0], NodeView(node_id="n2", alive=False, address=None,
-                                                            total={"CPU": 2.0})]
-    sched.cluster.views[0] = NodeView(node_id="n1", alive=True, address=None, total={"CPU": 2.0}, free={"CPU": 0.0})
+    return rid, job, ck
+
+
+def _view(node_id, *, alive=True, total=2.0, free=0.0):
+    return NodeView(
+        node_id=node_id, alive=alive, address=None, total={"CPU": total}, free={"CPU": free} if alive else {}
+    )
+
+
+def test_a_lost_node_requeues_an_elastic_run_in_a_smaller_layout(sched, tmp_path) -> None:
+    stopped: list[str] = []
+    sched.jobs.stop = lambda job_id: stopped.append(job_id) or True
+    rid, job, ck = _running(sched, tmp_path, {"0": "n1", "1": "n1", "2": "n2", "3": "n2"})
+    sched.cluster.views = [_view("n1"), _view("n2", alive=False)]
     sched.tick()
     assert stopped == [job]
     with session_scope(sched.factory) as s:
-        assert store.get_run(s, run_id=rid).status == "RUNNING"  # its driver ends it first
-        # the stopped driver ends the run (as on SIGTERM), its job ends
-        store.end_run(s, run_id=rid, to="CANCELLED", reason="Ray Job stopped")
-    sched.jobs.states[job] = "STOPPED"
-    sched.cluster.views[0] = NodeView(node_id="n1", alive=True, address=None, total={"CPU": 2.0}, free={"CPU": 2.0})
-    sched.tick()
-    with session_scope(sched.factory) as s:
         run = store.get_run(s, run_id=rid)
-        assert run.status in ("QUEUED", "STARTING")
+        # re-queued at once (its driver is revoked), but not admitted while its old job still runs
+        assert run.status == "QUEUED" and "waiting for its previous Ray Job" in run.status_reason
         assert run.plan["dp"] == 2 and run.spec["layout"]["dp"] == 2 and run.plan["global_batch_size"] == 16
+        assert run.spec["elastic"]["max_dp"] == 4  # how far it may grow back
         assert run.resume_from == str(ck)
         kinds = [(e.kind, e.reason) for e in store.list_events(s, run_id=rid, limit=100)]
     elastic = [r for k, r in kinds if k == "elastic"]
-    assert elastic and "node lost: n2" in elastic[0] and "dp=4 tp=1 pp=1 -> dp=2 tp=1 pp=1" in elastic[0]
+    assert len(elastic) == 1 and "node lost: n2" in elastic[0] and "dp=4 tp=1 pp=1 -> dp=2 tp=1 pp=1" in elastic[0]
+    assert "the checkpoint of step 10" in elastic[0]
+    sched.jobs.states[job] = "STOPPED"
+    sched.cluster.views = [_view("n1", free=2.0)]  # the dead node gone from the table: nothing to re-plan again
+    sched.tick()
+    with session_scope(sched.factory) as s:
+        run = store.get_run(s, run_id=rid)
+        assert run.status == "STARTING" and run.ray_job_id != job
+    assert len(sched.jobs.submitted) == 2
+
+
+def test_a_node_gone_from_the_table_counts_as_lost(sched, tmp_path) -> None:
+    sched.jobs.stop = lambda job_id: True
+    rid, _, _ = _running(sched, tmp_path, {"0": "n1", "1": "n1", "2": "n2", "3": "n2"})
+    sched.cluster.views = [_view("n1")]
+    sched.tick()
+    with session_scope(sched.factory) as s:
+        assert store.get_run(s, run_id=rid).status == "QUEUED"
+
+
+def test_grow_picks_the_largest_layout_up_to_max_dp() -> None:
+    spec = RunSpec.model_validate({**SPEC, "layout": {"dp": 2}, "elastic": {"min_dp": 2, "max_dp": 4}})
+    plan = build_plan(spec)
+    free = [NodeCapacity("n1", total={"CPU": 2.0}, free={"CPU": 2.0}), NodeCapacity("n2", {"CPU": 2.0}, {"CPU": 2.0})]
+    new = grow(spec, plan, free, why="capacity returned")
+    assert new is not None and new.plan.dp == 4 and new.plan.global_batch_size == 16
+    assert "dp=2 tp=1 pp=1 -> dp=4 tp=1 pp=1" in new.reason and "capacity returned" in new.reason
+    assert grow(spec, plan, free[:1], why="x") is None  # 2 slots: no larger layout fits
+    at_max = RunSpec.model_validate({**SPEC, "elastic": {"min_dp": 2}})
+    assert grow(at_max, build_plan(at_max), free * 2, why="x") is None  # dp4 is its max (the layout's dp)
+    # what the run holds counts as free for its own new layout
+    held = with_own([NodeCapacity("n1", {"CPU": 4.0}, {"CPU": 2.0})], held_per_node({"0": "n1", "1": "n1"}, plan))
+    assert held[0].free["CPU"] == 4.0 and grow(spec, plan, held, why="x").plan.dp == 4
+
+
+def test_an_elastic_run_below_max_dp_grows_back_through_a_checkpoint(sched, tmp_path) -> None:
+    from service.runs.preemption import PREEMPT_REQUEST
+
+    sched.jobs.stop = lambda job_id: True
+    rid, job, _ = _running(sched, tmp_path, {"0": "n1", "1": "n1", "2": "n2", "3": "n2"})
+    sched.cluster.views = [_view("n1"), _view("n2", alive=False)]
+    sched.tick()  # shrunk to dp2
+    sched.jobs.states[job] = "STOPPED"
+    sched.cluster.views = [_view("n1", free=2.0)]
+    sched.tick()  # admitted as dp2
+    with session_scope(sched.factory) as s:
+        run = store.get_run(s, run_id=rid)
+        job2 = run.ray_job_id
+        store.transition(s, run_id=rid, to="RUNNING", reason="driver", rank_nodes={"0": "n1", "1": "n1"})
+        store.start_attempt(s, run_id=rid, cause="resume")  # its workers are up: no reservation any more
+    sched.jobs.states[job2] = "RUNNING"
+    sched.cluster.views = [_view("n1", free=0.0)]
+    sched.tick()  # nothing free: no grow
+    with session_scope(sched.factory) as s:
+        assert not store.list_events(s, run_id=rid, kinds=[PREEMPT_REQUEST], limit=10)
+    sched.cluster.views = [_view("n1", free=0.0), _view("n3", free=2.0)]  # a node joins
+    sched.tick()
+    with session_scope(sched.factory) as s:
+        asked = store.list_events(s, run_id=rid, kinds=[PREEMPT_REQUEST], limit=10)
+        assert len(asked) == 1 and "dp=2 tp=1 pp=1 -> dp=4 tp=1 pp=1" in asked[0].reason
+        assert store.get_run(s, run_id=rid).plan["dp"] == 2  # unchanged until it yields
+    sched.tick()  # asked once only
+    with session_scope(sched.factory) as s:
+        assert len(store.list_events(s, run_id=rid, kinds=[PREEMPT_REQUEST], limit=10)) == 1
+        # its driver checkpoints, yields and re-queues it (RunLifecycle.requeue)
+        store.transition(s, run_id=rid, to="PREEMPTED", reason="yielded")
+        store.transition(s, run_id=rid, to="QUEUED", reason="back in the queue")
+    sched.jobs.states[job2] = "SUCCEEDED"
+    sched.cluster.views = [_view("n1", free=2.0), _view("n3", free=2.0)]
+    sched.tick()
+    with session_scope(sched.factory) as s:
+        run = store.get_run(s, run_id=rid)
+        assert run.plan["dp"] == 4 and run.spec["layout"]["dp"] == 4 and run.status == "STARTING"
+        elastic = [e.reason for e in store.list_events(s, run_id=rid, kinds=["elastic"], limit=10)]
+    assert any("capacity returned" in r and "dp=2 tp=1 pp=1 -> dp=4 tp=1 pp=1" in r for r in elastic), elastic
+
+
+def test_a_failed_elastic_driver_waits_for_the_services_verdict(sched, tmp_path, monkeypatch) -> None:
+    """The driver of an elastic run whose workers failed leaves the run alone once the service re-queued it (True), and
+    ends it as usual when nothing says a node was lost (False, after NODE_DEATH_S)."""
+    from service.runs import driver
+    from service.runs.lifecycle import RunLifecycle
+
+    rid, job, _ = _running(sched, tmp_path, {"0": "n1", "1": "n2"})
+    life = RunLifecycle(sched.factory, rid, actor="driver", job_id=job)
+    monkeypatch.setattr(driver, "NODE_DEATH_S", 0.0)
+    monkeypatch.setattr(driver, "_dead_nodes", lambda rank_nodes: [])
+    monkeypatch.setattr(driver.time, "sleep", lambda s: None)
+    assert driver._elastic_verdict(life, ValueError("user code")) is False
+    with session_scope(sched.factory) as s:  # the scheduler re-planned it
+        store.transition(s, run_id=rid, to="QUEUED", reason="elastic: node lost")
+    assert driver._elastic_verdict(life, RuntimeError("Connection reset by peer")) is True
