@@ -353,6 +353,7 @@ def _train(
                     last_ckpt = _save(job, step, model_parts, optimizers, schedulers, batches, plan, spec)
                 if on_checkpoint is not None and last_ckpt is not None:
                     on_checkpoint(step, last_ckpt)
+                last_end = reporter.restart_period(last_end)  # the save is no step's time (goodput: overhead)
             if reporter.preempted_ranks and not ckpt_due and job.checkpoint_dir:
                 state.set_phase("checkpoint")  # the emergency checkpoint of a preemption notice
                 if averager is not None:  # every rank is here (the vote was all-gathered): average the replicas

@@ -106,6 +106,16 @@ class Reporter:
         reset_peak_memory(self.device)
         self.prev_end = self.clock.mark()
 
+    def restart_period(self, last_end: Any) -> Any:
+        """After a checkpoint: the next step's period starts now, so the time spent saving (and handing the
+        checkpoint to Ray Train) is no step's time: goodput counts it as overhead and the breakdown compares steps
+        with the plan. Only when every step so far is reported (a checkpoint forces a report); otherwise the period
+        keeps running from ``last_end``."""
+        if self.pending:
+            return last_end
+        self.prev_end = self.clock.mark()
+        return self.prev_end
+
     def measure(self, step: int) -> bool:
         every = self.spec.metrics.breakdown_every_steps
         return bool(every) and step % every == 0

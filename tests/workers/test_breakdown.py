@@ -2,7 +2,7 @@
 
 For each layout: every term the layout has is non-zero on every rank and the ones it lacks are zero; per rank the
 parts add up to the rank's step time (within 5%); rank 0's total is the row's step_time_s; the step times add up
-to the wall time of the loop; a slow rank shows up in ITS compute time, not in the waiting peer's; the gpipe
+to the wall time of the loop, a checkpoint save is no step's time; a slow rank shows up in ITS compute time, not in the waiting peer's; the gpipe
 bubble share falls with the micro-batch count and is within 30% of what the schedule implies: (p - 1) / (m + p - 1)
 for equally fast stages, corrected for the stages' measured speeds (see ``_bubble_shares``).
 """
@@ -43,9 +43,15 @@ SPECS = {
 }
 
 
+CKPT_EVERY = 2
+# checkpoints every 2 steps: a save happens between steps and must be no step's time
+CKPT_SPEC = tiny_spec(steps=6, dp=2, checkpoint={"every_steps": CKPT_EVERY, "keep": 1})
+
+
 @pytest.fixture(scope="module")
-def world2() -> dict[str, dict]:
-    return dict(zip(SPECS, run_world(2, list(SPECS.values()))))
+def world2(tmp_path_factory) -> dict[str, dict]:
+    specs = {**SPECS, "dp2_ckpt": {**CKPT_SPEC, "_job": {"checkpoint_dir": str(tmp_path_factory.mktemp("ck"))}}}
+    return dict(zip(specs, run_world(2, list(specs.values()))))
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +110,19 @@ def test_step_times_add_up_to_the_loop_wall_time(world2) -> None:
         assert sum(r["step_time_s"] for r in rows[1:]) == pytest.approx(rows[-1]["time"] - rows[0]["time"], abs=2e-3)
         for r in rows:
             assert r["tokens_per_s"] == pytest.approx(8 * 32 / r["step_time_s"])
+
+
+def test_a_checkpoint_save_is_no_steps_time(world2) -> None:
+    rows = world2["dp2_ckpt"]["rows"]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    for prev, row in zip(rows, rows[1:]):
+        gap = row["time"] - prev["time"]  # wall clock from the end of one step to the end of the next
+        if prev["step"] % CKPT_EVERY == 0:
+            # a checkpoint was saved in between: it took time, and that time is outside the next step's period
+            # (goodput counts saves as overhead, not as productive step time)
+            assert gap - row["step_time_s"] > 0.005, (prev["step"], gap, row["step_time_s"])
+        else:
+            assert gap == pytest.approx(row["step_time_s"], abs=2e-3), (row["step"], gap, row["step_time_s"])
 
 
 def test_a_slow_rank_is_slow_in_compute_and_its_peer_is_not_blamed(world2) -> None:
