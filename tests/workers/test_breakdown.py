@@ -2,9 +2,10 @@
 
 For each layout: every term the layout has is non-zero on every rank and the ones it lacks are zero; per rank the
 parts add up to the rank's step time (within 5%); rank 0's total is the row's step_time_s; the step times add up
-to the wall time of the loop, a checkpoint save is no step's time; a slow rank shows up in ITS compute time, not in the waiting peer's; the gpipe
-bubble share falls with the micro-batch count and is within 30% of what the schedule implies: (p - 1) / (m + p - 1)
-for equally fast stages, corrected for the stages' measured speeds (see ``_bubble_shares``).
+to the wall time of the loop, and a checkpoint save is no step's time; a slow rank shows up in ITS compute time,
+not in the waiting peer's; the gpipe bubble share falls with the micro-batch count and is within 30% of what the
+schedule implies: (p - 1) / (m + p - 1) for equally fast stages, corrected for the stages' measured speeds (see
+``_bubble_shares``).
 """
 
 from __future__ import annotations
