@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, settings
 from service.app.server import create_app
 from service.settings import Settings
 
-FUZZ_MAX_EXAMPLES = int(os.environ.get("MESHRUN_FUZZ_EXAMPLES", "25"))
+FUZZ_MAX_EXAMPLES = int(os.environ.get("MESHRUN_FUZZ_EXAMPLES", "12"))  # more: MESHRUN_FUZZ_EXAMPLES=200
 FUZZ_PATHS = os.environ.get("MESHRUN_FUZZ_PATHS")  # optional regex: fuzz only these paths
 SEED_SPEC = {"name": "seed", "layout": {"dp": 1}}
 
