@@ -123,8 +123,16 @@ def main() -> int:
                 next_kill = time.monotonic() + args.kill_every_s
             time.sleep(1)
         g = httpx.get(f"{url}/v1/runs/{rid}/goodput", timeout=30).json()
-        rows = httpx.get(f"{url}/v1/runs/{rid}/metrics", params={"limit": 10_000}, timeout=60).json()["items"]
-        continuous = [x["step"] for x in rows] == list(range(1, steps + 1))
+        steps_seen, cursor = [], None
+        while True:  # every page (a long run has more rows than one page holds)
+            page = httpx.get(
+                f"{url}/v1/runs/{rid}/metrics", params={"limit": 5000, "cursor": cursor}, timeout=60
+            ).json()
+            steps_seen += [x["step"] for x in page["items"]]
+            cursor = page.get("next_cursor")
+            if not cursor or not page["items"]:
+                break
+        continuous = steps_seen == list(range(1, steps + 1))
         print(f"status {r['status']}, {kills} signals, {g['attempts']} attempts, steps continuous: {continuous}")
         print(f"goodput {100 * (g['goodput'] or 0):.1f}% (productive {g['productive_s']:.0f} s of {g['wall_s']:.0f} s)")
         for cause, s in g["lost_s"].items():
