@@ -27,7 +27,6 @@ import os
 import random
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +34,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+from _service import api_service
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -67,38 +67,8 @@ def _fmt(name: str, lat_s: list[float], extra: str = "") -> str:
 
 @contextmanager
 def _service(database_url: str, port: int, data_dir: str):
-    env = {
-        **os.environ,
-        "MESHRUN_DATABASE_URL": database_url,
-        "MESHRUN_HOST": "127.0.0.1",
-        "MESHRUN_PORT": str(port),
-        "MESHRUN_START_SCHEDULER": "false",
-        "MESHRUN_AUTH": "off",
-        "MESHRUN_RATE_LIMIT_PER_MINUTE": "0",
-        "MESHRUN_LOG_LEVEL": "WARNING",
-        "MESHRUN_DATA_DIR": data_dir,
-        "PYTHONPATH": str(ROOT),
-    }
-    proc = subprocess.Popen([sys.executable, "-c", "from service.app.server import serve; serve()"], env=env, cwd=ROOT)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the service did not start")
-            time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with api_service(data_dir=data_dir, database_url=database_url, port=port, timeout_s=60) as (base, _proc):
+        yield base
 
 
 def _seed(database_url: str, rows: int) -> str:

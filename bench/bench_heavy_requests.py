@@ -23,9 +23,7 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+from _service import api_service
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -100,12 +99,6 @@ LIGHT = [
 ] * 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _cpu_s(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` (its threads included)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -114,46 +107,8 @@ def _cpu_s(pid: int) -> float:
 
 @contextmanager
 def _service() -> Iterator[tuple[str, int]]:
-    data_dir = tempfile.mkdtemp(prefix="meshrun-bench-heavy-")
-    port = _free_port()
-    env = {
-        **os.environ,
-        "MESHRUN_DATA_DIR": data_dir,
-        "MESHRUN_HOST": "127.0.0.1",
-        "MESHRUN_PORT": str(port),
-        "MESHRUN_START_SCHEDULER": "false",
-        "MESHRUN_AUTH": "off",
-        "MESHRUN_RATE_LIMIT_PER_MINUTE": "0",
-        "MESHRUN_LOG_LEVEL": "WARNING",
-        "PYTHONPATH": str(ROOT),
-    }
-    env.pop("MESHRUN_DATABASE_URL", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "from service.app.server import serve; serve()"],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code in (200, 503):
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the service did not start")
-            time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}", proc.pid
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with api_service(data_dir=tempfile.mkdtemp(prefix="meshrun-bench-heavy-"), quiet=True) as (base, proc):
+        yield base, proc.pid
 
 
 def _pct(xs: list[float], q: float) -> float:
