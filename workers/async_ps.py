@@ -34,6 +34,7 @@ import torch
 from ray.exceptions import RayActorError, RayTaskError
 
 from api.spec import Plan, RunSpec
+from api.spec.run import PSFault
 from workers.data import build_batches
 from workers.diagnostics import FaultInjector, RankState
 from workers.models import build_model, materialize
@@ -148,9 +149,16 @@ def _initial_params(spec: RunSpec, plan: Plan) -> list[torch.Tensor]:
 
 
 def _start_servers(
-    spec: RunSpec, plan: Plan, split: list[list[int]], members: list[int], ckpt_dir: str | None, step: int
+    spec: RunSpec,
+    plan: Plan,
+    split: list[list[int]],
+    members: list[int],
+    ckpt_dir: str | None,
+    step: int,
+    kill_ps: PSFault | None = None,
 ) -> list[Any]:
-    """``ps_shards`` servers: from the initial parameters (``step`` 0) or from their checkpoint of ``step``."""
+    """``ps_shards`` servers: from the initial parameters (``step`` 0) or from their checkpoint of ``step``;
+    ``kill_ps``: the server it names dies once it has applied that update (the first servers only)."""
     spec_json = spec.model_dump_json()
     if step == 0:
         params = _initial_params(spec, plan)
@@ -158,7 +166,9 @@ def _start_servers(
     else:
         shards = [None] * len(split)
     return [
-        ParameterServer.remote(k, spec_json, shard, members, ckpt_dir, step)  # type: ignore[attr-defined]
+        ParameterServer.remote(  # type: ignore[attr-defined]
+            k, spec_json, shard, members, ckpt_dir, step, kill_ps.at_step if kill_ps and kill_ps.shard == k else None
+        )
         for k, shard in enumerate(shards)
     ]
 
@@ -196,7 +206,7 @@ def run_async_ps(
     split = split_params([p.numel() for p in _initial_params(spec, plan)], lay.ps_shards)
     spec_json, plan_json = spec.model_dump_json(), plan.model_dump_json()
     workers = list(range(plan.dp))
-    servers = _start_servers(spec, plan, split, workers, ckpt_dir, 0)
+    servers = _start_servers(spec, plan, split, workers, ckpt_dir, 0, spec.faults.kill_ps if spec.faults else None)
     opts = {"num_cpus": spec.resources.cpus_per_worker, **(worker_options or {})}
     incarnation = dict.fromkeys(workers, 1)
     actors = {w: PSWorker.options(**opts).remote(w, 1, spec_json, plan_json, servers) for w in workers}  # type: ignore[attr-defined]
@@ -208,21 +218,16 @@ def run_async_ps(
     restores: list[dict[str, Any]] = []
     budget = spec.resources.max_failures
     ps_budget = -1 if budget == -1 else max(budget, 1)
-    kill_ps = spec.faults.kill_ps if spec.faults is not None else None
     t0 = last_probe = time.time()
 
     def drain() -> None:
-        nonlocal rows_total, kill_ps
+        nonlocal rows_total
         for row in ray.get(servers[0].take_rows.remote()):
             rows_total += 1
             if row.get("loss") is not None:
                 losses[int(row["step"])] = float(row["loss"])
             if sink is not None:
                 sink(row)
-            if kill_ps is not None and row["step"] >= kill_ps.at_step:
-                log.warning("async_ps: injected fault kill_ps: parameter server %d killed", kill_ps.shard)
-                ray.kill(servers[kill_ps.shard], no_restart=True)
-                kill_ps = None
 
     def restore(dead: list[int]) -> None:
         nonlocal servers

@@ -27,6 +27,7 @@ Server 0 also records one metric row per update (``api.spec.metrics.MetricRow`` 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 import time
@@ -39,6 +40,8 @@ from api.spec import RunSpec
 from api.spec.metrics import SYNC_ALERT
 from workers.optim import lr_factor
 from workers.ps_checkpoint import load_shard, prune, save_shard
+
+log = logging.getLogger(__name__)
 
 
 def split_params(sizes: list[int], shards: int) -> list[list[int]]:
@@ -62,9 +65,11 @@ class ParameterServer:
         workers: list[int],
         ckpt_dir: str | None = None,
         restore_step: int = 0,
+        exit_at: int | None = None,
     ) -> None:
         torch.set_num_threads(1)
         self.index = index
+        self.exit_at = exit_at  # faults.kill_ps: this process dies once it has applied that update
         self.spec = spec = RunSpec.model_validate_json(spec_json)
         self.ckpt_dir = ckpt_dir
         saved = load_shard(ckpt_dir, restore_step, index) if ckpt_dir and restore_step else None
@@ -191,6 +196,11 @@ class ParameterServer:
                 return
             self._apply(step, {w: got[w] for w in expected})
             self.pending.pop(step, None)
+            if step == self.exit_at:
+                # the injected fault: the process dies at once, as in a crash (no reply, no clean-up); here
+                # rather than from the driver, which sees the update late and could find the run already done
+                log.warning("parameter server %d: injected fault kill_ps after update %d", self.index, step)
+                os._exit(1)
 
     @torch.no_grad()
     def _apply(self, step: int, got: dict[int, tuple[torch.Tensor, int, dict[str, float]]]) -> None:

@@ -246,7 +246,7 @@ class StepFault(_Spec):
 
 class PSFault(_Spec):
     shard: int = Field(0, ge=0, lt=64, description="async_ps: the parameter server (shard index) the fault hits.")
-    at_step: int = Field(ge=1, le=MAX_STEPS, description="Once server 0 has applied this update (first time only).")
+    at_step: int = Field(ge=1, le=MAX_STEPS, description="Once that server has applied this update (first time only).")
 
 
 class FaultsSpec(_Spec):
@@ -257,7 +257,7 @@ class FaultsSpec(_Spec):
     hang_rank: StepFault | None = Field(None, description="The rank stops making progress at at_step (in compute).")
     kill_rank: StepFault | None = Field(None, description="The rank's process is killed (SIGKILL) at at_step.")
     kill_ps: PSFault | None = Field(
-        None, description="async_ps: the parameter server actor is killed (ray.kill) once update at_step is applied."
+        None, description="async_ps: that server's process dies (as in a crash) once it has applied update at_step."
     )
 
 

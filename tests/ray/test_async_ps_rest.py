@@ -30,7 +30,7 @@ def test_async_ps_run_survives_a_killed_worker(live_service) -> None:
 
 
 def test_async_ps_run_restores_a_killed_parameter_server(live_service) -> None:
-    """``faults.kill_ps``: the driver ``ray.kill``s server 1 after update 5; every server restarts from the latest
+    """``faults.kill_ps``: server 1's process dies once it has applied update 5; every server restarts from the latest
     complete checkpoint (every 2 updates), the workers re-pull, and the run SUCCEEDS with every step."""
     url = live_service.url
     spec = tiny_spec(
