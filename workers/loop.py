@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,21 +76,18 @@ class WorkerJob:
     profile_dir: str | None = None  # profiles go to f"{profile_dir}/steps_<first>-<last>/"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(*, timeout_s: float = PG_TIMEOUT_S) -> bool:
     """Initialise the default process group unless someone (Ray Train, a test) already did.
     Returns True when this call created it (and so should destroy it). A lone process needs no launcher."""
     if dist.is_initialized():
         return False
     if "RANK" not in os.environ:
-        os.environ.update(
-            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+        # a lone process: an in-memory store, no port to pick (a free port found first can be taken before use)
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        dist.init_process_group(
+            backend=None, store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=timeout_s)
         )
+        return True
     dist.init_process_group(backend=None, timeout=timedelta(seconds=timeout_s))
     return True
 
