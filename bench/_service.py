@@ -24,11 +24,17 @@ def free_port() -> int:
 
 @contextmanager
 def api_service(
-    *, data_dir: str, database_url: str | None = None, port: int | None = None, quiet: bool = False, timeout_s=120
+    *,
+    data_dir: str,
+    database_url: str | None = None,
+    port: int | None = None,
+    quiet: bool = False,
+    timeout_s=120,
+    extra_env: dict[str, str] | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """Start ``service.app.server.serve`` in a child process; yield its base URL and process once ``/healthz``
     answers (200, or 503 when only Ray is absent); stop it afterwards. Without ``database_url``: SQLite in
-    ``data_dir``."""
+    ``data_dir``. ``extra_env``: more MESHRUN_* settings."""
     port = port or free_port()
     env = {
         **os.environ,
@@ -41,6 +47,7 @@ def api_service(
         "MESHRUN_LOG_LEVEL": "WARNING",
         "PYTHONPATH": str(ROOT),
     }
+    env.update(extra_env or {})
     env.pop("MESHRUN_DATABASE_URL", None)
     if database_url:
         env["MESHRUN_DATABASE_URL"] = database_url

@@ -7,9 +7,12 @@ subprocess on 127.0.0.1 with a few runs stored, then:
 1. each of the audit's heavy requests alone, ``--repeat`` times: its answer and the service process's CPU time it
    cost (user + system time of the service process before and after, nothing else in flight);
 2. ``GET /v1/runs`` ``--gets`` times from one client with nothing else running (idle), then again while four
-   clients send the four heavy requests in a loop, one each, so that four run at once all the time (loaded);
-   p50/p99 of both, side by side, and their ratio (the issue's bar: loaded p99 within 2x of idle). A control
-   column runs four ordinary ``POST /v1/plans`` loops instead: what four busy clients cost whatever they send.
+   connections of another client process send the four heavy requests in a loop, one each, so that four are in
+   flight all the time (loaded); p50/p99 of both, side by side, and their ratio (the issue's bar: loaded p99
+   within 2x of idle). A control column runs four ordinary ``POST /v1/plans`` loops instead: what four busy
+   clients cost whatever they send.
+3. the same idle and heavy phases on a second service with reads-first off (no write lane, no read priority:
+   ``service/app/overload.py``), to show what it buys.
 
     python bench/bench_heavy_requests.py                 # 300 GETs per phase, each heavy request 20 times alone
     python bench/bench_heavy_requests.py --gets 100 --repeat 5
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -105,9 +109,18 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+# reads-first off: writes share the general slots and start at once (service/app/overload.py)
+OFF = {
+    "MESHRUN_MAX_CONCURRENT_WRITES": "1000",
+    "MESHRUN_MAX_CONCURRENT_REQUESTS": "1000",
+    "MESHRUN_READ_PRIORITY_MS": "0",
+}
+
+
 @contextmanager
-def _service() -> Iterator[tuple[str, int]]:
-    with api_service(data_dir=tempfile.mkdtemp(prefix="meshrun-bench-heavy-"), quiet=True) as (base, proc):
+def _service(extra_env: dict[str, str] | None = None) -> Iterator[tuple[str, int]]:
+    data_dir = tempfile.mkdtemp(prefix="meshrun-bench-heavy-")
+    with api_service(data_dir=data_dir, quiet=True, extra_env=extra_env) as (base, proc):
         yield base, proc.pid
 
 
@@ -159,46 +172,89 @@ async def _heavy_loop(
         sent[(name, r.status_code)] += 1
 
 
-async def _phase(base: str, gets: int, background: list[tuple[str, str, bytes, str]]) -> tuple[list, Counter, Counter]:
-    """``gets`` GETs from one client while each of ``background`` is sent in a loop by a client of its own."""
-    stop, sent = asyncio.Event(), Counter()
-    async with (
-        httpx.AsyncClient(base_url=base, timeout=300) as http,
-        httpx.AsyncClient(base_url=base, timeout=300) as other,
-    ):
-        loops = [asyncio.create_task(_heavy_loop(other, h, stop, sent)) for h in background]
-        if loops:
-            await asyncio.sleep(0.5)  # in flight
-        lat, statuses = await _gets(http, gets)
-        stop.set()
+def _background(base: str, background: list[tuple[str, str, bytes, str]], stop, ready, out) -> None:
+    """A client process of its own: each of ``background`` sent in a loop (one connection each) until ``stop``."""
+
+    async def run() -> Counter:
+        sent: Counter = Counter()
+        done = asyncio.Event()
+        clients = [httpx.AsyncClient(base_url=base, timeout=300) for _ in background]
+        loops = [asyncio.create_task(_heavy_loop(c, h, done, sent)) for c, h in zip(clients, background, strict=True)]
+        await asyncio.sleep(0.5)  # in flight
+        ready.set()
+        while not stop.is_set():
+            await asyncio.sleep(0.05)
+        done.set()
         await asyncio.gather(*loops)
+        for c in clients:
+            await c.aclose()
+        return sent
+
+    out.put(dict(asyncio.run(run())))
+
+
+async def _phase(base: str, gets: int, background: list[tuple[str, str, bytes, str]]) -> tuple[list, Counter, Counter]:
+    """``gets`` GETs from one client while each of ``background`` is sent in a loop, four at once, by another client
+    process (its CPU is a client's, not the service's: on one process the GETs would also wait for the client's own
+    event loop)."""
+    ctx = mp.get_context("spawn")
+    stop, ready, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    proc = None
+    if background:
+        proc = ctx.Process(target=_background, args=(base, background, stop, ready, out))
+        proc.start()
+        while not ready.is_set():
+            await asyncio.sleep(0.05)
+    async with httpx.AsyncClient(base_url=base, timeout=300) as http:
+        lat, statuses = await _gets(http, gets)
+    sent: Counter = Counter()
+    if proc is not None:
+        stop.set()
+        sent = Counter(out.get(timeout=60))
+        proc.join(timeout=30)
     return lat, statuses, sent
 
 
-async def latency(base: str, gets: int) -> None:
+async def _phases(base: str, gets: int, *, control: bool) -> dict[str, tuple[list, Counter, Counter]]:
     async with httpx.AsyncClient(base_url=base, timeout=300) as http:
         for _ in range(5):  # warm up
             await http.get("/v1/runs")
-    idle, idle_st, _ = await _phase(base, gets, [])
-    light, light_st, light_sent = await _phase(base, gets, LIGHT)
-    loaded, loaded_st, sent = await _phase(base, gets, HEAVY)
+    out = {"idle": await _phase(base, gets, [])}
+    if control:
+        out["4 ordinary plans"] = await _phase(base, gets, LIGHT)
+    out["4 heavy at once"] = await _phase(base, gets, HEAVY)
+    return out
+
+
+def _table(title: str, phases: dict[str, tuple[list, Counter, Counter]]) -> None:
     print()
-    print(f"GET /v1/runs ({gets} requests, one client)   {'idle':>10} {'4 ordinary plans':>17} {'4 heavy at once':>16}")
+    print(f"{title:<42}" + "".join(f" {name:>17}" for name in phases))
     for label, q in (("p50 ms", 0.50), ("p99 ms", 0.99), ("max ms", 1.0)):
-        print(
-            f"  {label:<40} {_pct(idle, q) * 1e3:>10.1f} {_pct(light, q) * 1e3:>17.1f} {_pct(loaded, q) * 1e3:>16.1f}"
-        )
-    print(f"  {'statuses':<40} {dict(idle_st)!s:>10} {dict(light_st)!s:>17} {dict(loaded_st)!s:>16}")
-    p99 = _pct(idle, 0.99)
+        print(f"  {label:<40}" + "".join(f" {_pct(lat, q) * 1e3:>17.1f}" for lat, _, _ in phases.values()))
+    print(f"  {'statuses':<40}" + "".join(f" {dict(st)!s:>17}" for _, st, _ in phases.values()))
+    p99 = _pct(phases["idle"][0], 0.99)
     print(
-        f"  p99 / idle p99: {_pct(light, 0.99) / p99:.2f}x with 4 ordinary plan requests looping, "
-        f"{_pct(loaded, 0.99) / p99:.2f}x with the 4 heavy ones (the issue's bar: within 2x)"
-    )
-    for what, c in (("ordinary", light_sent), ("heavy", sent)):
-        print(
-            f"  {what} requests answered meanwhile: "
-            + ", ".join(f"{n} -> {st}: {k}" for (n, st), k in sorted(c.items()))
+        "  p99 / idle p99: "
+        + ", ".join(
+            f"{_pct(lat, 0.99) / p99:.2f}x with {name}" for name, (lat, _, _) in phases.items() if name != "idle"
         )
+        + " (the issue's bar for the heavy ones: within 2x)"
+    )
+    for name, (_, _, sent) in phases.items():
+        if sent:
+            answered = sum(sent.values())
+            print(
+                f"  {name}: {answered} answered meanwhile ("
+                + ", ".join(f"{n} -> {st}: {k}" for (n, st), k in sorted(sent.items()))
+                + ")"
+            )
+
+
+def _store_runs(base: str, runs: int) -> None:
+    with httpx.Client(base_url=base, timeout=60) as http:
+        for i in range(runs):
+            r = http.post("/v1/runs", json={**SPEC, "name": f"bench-heavy-{i}"})
+            assert r.status_code in (200, 201), r.text
 
 
 def main() -> int:
@@ -208,13 +264,16 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=20, help="runs stored before measuring")
     args = ap.parse_args()
     with _service() as (base, pid):
-        with httpx.Client(base_url=base, timeout=60) as http:
-            for i in range(args.runs):
-                r = http.post("/v1/runs", json={**SPEC, "name": f"bench-heavy-{i}"})
-                assert r.status_code in (200, 201), r.text
+        _store_runs(base, args.runs)
         print(f"service pid {pid} at {base}, {args.runs} runs stored, {os.cpu_count()} cores\n")
         heavy_alone(base, pid, args.repeat)
-        asyncio.run(latency(base, args.gets))
+        phases = asyncio.run(_phases(base, args.gets, control=True))
+    # the same service without the write lane and read priority: what reads-first buys, side by side
+    with _service(OFF) as (base, _):
+        _store_runs(base, args.runs)
+        off = asyncio.run(_phases(base, args.gets, control=False))
+    _table(f"GET /v1/runs ({args.gets} requests, one client)", phases)
+    _table("the same, reads-first off", off)
     return 0
 
 

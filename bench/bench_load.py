@@ -19,9 +19,7 @@ import asyncio
 import os
 import random
 import secrets
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from _service import api_service
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -50,12 +49,6 @@ class Stats:
     replays: int = 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def _database(url: str | None):
     if url:
@@ -71,34 +64,6 @@ def _database(url: str | None):
     finally:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-@contextmanager
-def _service(database_url: str, port: int):
-    env = {**os.environ, "MESHRUN_DATABASE_URL": database_url, "MESHRUN_HOST": "127.0.0.1",
-           "MESHRUN_PORT": str(port), "MESHRUN_START_SCHEDULER": "false", "MESHRUN_AUTH": "off",
-           "MESHRUN_RATE_LIMIT_PER_MINUTE": "0", "MESHRUN_LOG_LEVEL": "WARNING",
-           "MESHRUN_DATA_DIR": tempfile.mkdtemp(prefix="meshrun-bench-"), "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-c", "from service.app.server import serve; serve()"], env=env, cwd=ROOT)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the service did not start")
-            time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 async def _client(base: str, deadline: float, stats: Stats, rng: random.Random) -> None:
@@ -186,7 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.duration_s <= 0 or args.duration_s > 600:
         ap.error("--duration-s must be in (0, 600]")
 
-    with _database(args.database_url) as db_url, _service(db_url, _free_port()) as base:
+    with (
+        _database(args.database_url) as db_url,
+        api_service(data_dir=tempfile.mkdtemp(prefix="meshrun-bench-"), database_url=db_url, timeout_s=60) as (base, _),
+    ):
         print(f"meshrun load benchmark: {args.clients} clients for {args.duration_s:.0f} s against {base} "
               f"(PostgreSQL)")
         stats, elapsed_s = asyncio.run(_run_clients(base, args.clients, args.duration_s, args.seed))

@@ -93,6 +93,20 @@ class Settings(BaseSettings):
         description="API requests served at once (the rest queue on the event loop); keep it at or below "
         "db_pool_size so a request never waits for a connection.",
     )
+    max_concurrent_writes: int = Field(
+        1,
+        ge=1,
+        le=1000,
+        description="Of those, requests other than GET/HEAD/OPTIONS (submissions, plans, sweeps: the ones whose "
+        "parsing, validation and search cost CPU) served at once; the rest queue.",
+    )
+    read_priority_ms: float = Field(
+        50.0,
+        ge=0,
+        le=10_000,
+        description="A write about to start waits up to this long while reads are in progress, so expensive "
+        "requests sent back to back cannot slow the console's and the SDK's reads; 0 disables.",
+    )
     request_queue_timeout_s: float = Field(
         30.0, gt=0, le=600, description="How long a queued request waits before a 503 with Retry-After."
     )

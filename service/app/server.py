@@ -10,6 +10,7 @@ offline API docs at ``/docs`` and ``/redoc``.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -179,7 +180,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
     app.add_middleware(
-        OverloadGate, slots=settings.max_concurrent_requests, queue_timeout_s=settings.request_queue_timeout_s
+        OverloadGate,
+        slots=settings.max_concurrent_requests,
+        queue_timeout_s=settings.request_queue_timeout_s,
+        write_slots=settings.max_concurrent_writes,
+        read_priority_s=settings.read_priority_ms / 1000,
     )
     app.add_middleware(SameOriginMiddleware)
 
@@ -267,6 +272,11 @@ def serve(settings: Settings | None = None) -> None:
 
     settings = settings or get_settings()
     configure_logging(settings)
+    # A thread that computes (a plan search, a big validation) holds the GIL for up to the switch interval before
+    # a request thread waiting on it may run; 5 ms (CPython's default) per hand-over adds up to tens of ms on a
+    # read that waits for the GIL several times. 1 ms keeps reads quick under CPU-bound requests
+    # (bench/bench_heavy_requests.py) for a little more switching overhead.
+    sys.setswitchinterval(0.001)
     uvicorn.run(
         create_app(settings),
         host=settings.host,
