@@ -31,6 +31,7 @@ PASS_THROUGH_ENV = (
     "MESHRUN_PG_TIMEOUT_S",
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S",
 )
+HEALTH_CHECK_INTERVAL_S = "0.5"
 CODE_EXCLUDES = [".git", "**/__pycache__", "*.pyc", ".venv", "venv", "*.ckpt", "*.pt", "*.safetensors"]
 MESHRUN_EXCLUDES = [".git", "**/__pycache__", "*.db", "tests", "bench"]
 
@@ -118,6 +119,11 @@ def job_runtime_env(
         env["RAY_ADDRESS"] = env["MESHRUN_RAY_GCS_ADDRESS"]
     if dashboard_url:
         env["MESHRUN_DASHBOARD_URL"] = dashboard_url
+    # Ray Train's controller notices a dead or failed worker only when it polls (Ray's default: every 2 s), and a
+    # checkpoint is registered at a poll too; 0.5 s cuts the controller's share of failure detection from up to 2 s
+    # to up to 0.5 s (bench/bench_goodput.py: 2.4 -> 1.4 s per kill, the rest being the error's own way there) at
+    # the cost of two small RPCs per worker a second. RAY_TRAIN_HEALTH_CHECK_INTERVAL_S overrides it.
+    env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = HEALTH_CHECK_INTERVAL_S
     env.update({k: os.environ[k] for k in PASS_THROUGH_ENV if os.environ.get(k)})
     env.update(extra_env or {})
     for k in SECRET_ENV:
