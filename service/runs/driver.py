@@ -236,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         on_revoked=lambda: os.kill(os.getpid(), signal.SIGTERM),  # ends fit(); its workers end with this driver
         data_dir=str(settings.data_dir),
         hang_timeout_s=spec.resources.hang_timeout_s,
+        checkpoint_keep=spec.checkpoint.keep,
     )
     if not life.start(f"driver started (Ray Job {os.environ.get(JOB_ID_ENV) or '?'})"):
         return 0

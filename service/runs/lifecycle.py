@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -62,6 +63,20 @@ def dir_size_bytes(path: str) -> int | None:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
 
+def delete_checkpoint_dir(path: str) -> None:
+    """Delete a checkpoint directory, local or on a ``pyarrow.fs`` URL (s3://, gs://, ...); failures are logged."""
+    try:
+        if "://" in path:
+            from pyarrow import fs as pafs
+
+            filesystem, where = pafs.FileSystem.from_uri(path)
+            filesystem.delete_dir(where)
+        elif Path(path).exists():
+            shutil.rmtree(path)
+    except Exception as e:  # a checkpoint left behind costs space, never the run
+        logger.warning("could not delete checkpoint %s: %s", path, e)
+
+
 # ---------------------------------------------------------------------------------------------- recorder
 class Recorder:
     """Writes what the run's channel collected into the run database."""
@@ -73,10 +88,12 @@ class Recorder:
         *,
         train_run_name: str | None = None,
         job_id: str | None = None,
+        checkpoint_keep: int | None = None,
     ):
         self.factory = factory
         self.run_id = run_id
         self.job_id = job_id
+        self.checkpoint_keep = checkpoint_keep  # prune to this many recorded checkpoints (None: never prune)
         self.revoked = False
         self.train_run_name = train_run_name
         self.current_attempt: int | None = None
@@ -94,12 +111,19 @@ class Recorder:
     def apply(self, events: list[dict[str, Any]]) -> None:
         if not events:
             return
-        with self.lock, session_scope(self.factory) as s:
+        with self.lock:
+            if self._apply(events):
+                self._prune_checkpoints()
+
+    def _apply(self, events: list[dict[str, Any]]) -> bool:
+        """Write ``events`` (one transaction); True when a checkpoint was recorded."""
+        recorded = False
+        with session_scope(self.factory) as s:
             if self.revoked or not store.fence(s, run_id=self.run_id, job_id=self.job_id):
                 if not self.revoked:
                     logger.warning("run %s: this driver's attempt was revoked; it writes nothing more", self.run_id)
                 self.revoked = True
-                return
+                return False
             for ev in events:
                 kind = ev.get("type")
                 if kind == "attempt":
@@ -107,7 +131,7 @@ class Recorder:
                 elif kind == "metrics":
                     self._metrics(s, ev)
                 elif kind == "checkpoint":
-                    self._checkpoint(s, ev)
+                    recorded = self._checkpoint(s, ev) or recorded
                 elif kind == "worker_error":
                     self.worker_errors.append(ev["text"])
                     store.add_event(
@@ -129,6 +153,7 @@ class Recorder:
                         name=str(ev["name"]),
                         content=str(ev.get("text") or "").encode(),
                     )
+        return recorded
 
     def _attempt(self, s: Session, ev: dict[str, Any]) -> None:
         """A new worker group: the previous attempt (if any) failed; record the new one and where its ranks run."""
@@ -199,9 +224,9 @@ class Recorder:
             logger.warning("run %s: %s", self.run_id, text)
             store.add_event(s, run_id=self.run_id, kind="straggler", reason=text)
 
-    def _checkpoint(self, s: Session, ev: dict[str, Any]) -> None:
+    def _checkpoint(self, s: Session, ev: dict[str, Any]) -> bool:
         if ev.get("step") is None:
-            return
+            return False
         store.add_checkpoint(
             s,
             run_id=self.run_id,
@@ -213,6 +238,22 @@ class Recorder:
         store.add_event(
             s, run_id=self.run_id, kind="checkpoint", reason=f"checkpoint of step {ev['step']} at {ev['path']}"
         )
+        return True
+
+    def _prune_checkpoints(self) -> None:
+        """``checkpoint.keep``: delete the recorded checkpoints older than the newest ``keep`` recorded ones, after
+        the newest is committed. The driver prunes, not Ray Train (its ``num_to_keep`` deletes as it registers,
+        ahead of the database: a run cancelled then could be left with every recorded checkpoint deleted and the
+        newer ones unrecorded). Checkpoints written but never recorded (the run ended meanwhile) are left alone."""
+        if not self.checkpoint_keep:
+            return
+        with session_scope(self.factory) as s:
+            rows = store.list_checkpoints(s, run_id=self.run_id)
+        newest = sorted(rows, key=lambda c: (c.step, c.attempt), reverse=True)
+        keep_paths = {c.path for c in newest[: self.checkpoint_keep]}
+        for c in newest[self.checkpoint_keep :]:
+            if c.path not in keep_paths:
+                delete_checkpoint_dir(c.path)
 
     def drain(self, channel: ActorHandle, *, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
         """Apply what the channel holds now (logs and swallows failures: the next drain retries)."""
@@ -297,11 +338,18 @@ class RunLifecycle:
     on_revoked: Callable[[], None] | None = None
     data_dir: str | None = None  # the service's data_dir (where the workers keep state and stack files)
     hang_timeout_s: float | None = None  # the spec's resources.hang_timeout_s (None: derived from step times)
+    checkpoint_keep: int | None = None  # the spec's checkpoint.keep: the driver prunes older checkpoints
     recorder: Recorder = field(init=False)
     requests_seen: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
-        self.recorder = Recorder(self.factory, self.run_id, train_run_name=self.train_run_name, job_id=self.job_id)
+        self.recorder = Recorder(
+            self.factory,
+            self.run_id,
+            train_run_name=self.train_run_name,
+            job_id=self.job_id,
+            checkpoint_keep=self.checkpoint_keep,
+        )
 
     def transition(self, to: RunStatus, reason: str, **fields: Any) -> bool:
         """Move the run; False (logged) when its state does not allow it (e.g. cancelled meanwhile) or this

@@ -116,7 +116,9 @@ def build_trainer(
                 max_failures=spec.resources.max_failures,
                 controller_failure_limit=0 if stoppable else RUN_START_RETRIES,
             ),
-            checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep),
+            # never Ray Train's num_to_keep: the driver prunes (checkpoint.keep) once the newer ones are recorded
+            # (service.runs.lifecycle.Recorder._prune_checkpoints)
+            checkpoint_config=CheckpointConfig(num_to_keep=None),
             # a Train V2 UserCallback; RunConfig's annotation still names the Tune callback base
             callbacks=[ChannelCallback(channel)],  # type: ignore[list-item]
         ),

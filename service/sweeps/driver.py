@@ -182,7 +182,14 @@ def run_trial(config: dict[str, Any]) -> None:
         _report(m, tr.objective, run_id=tr.run_id, final=True, failed=True)
         return
     name = train_run_name(tr.run_id, 1)
-    life = RunLifecycle(factory, tr.run_id, actor=DRIVER_ACTOR, warmup_steps=tr.warmup_steps, train_run_name=name)
+    life = RunLifecycle(
+        factory,
+        tr.run_id,
+        actor=DRIVER_ACTOR,
+        warmup_steps=tr.warmup_steps,
+        train_run_name=name,
+        checkpoint_keep=tr.spec.checkpoint.keep,
+    )
     if not life.start(f"trial driver started (Tune trial {tune_trial_id})"):  # cancelled since its admission
         with session_scope(factory) as s:
             now = RunStatus(store.get_run(s, run_id=tr.run_id).status)

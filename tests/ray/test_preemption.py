@@ -27,7 +27,9 @@ def _rows(url: str, run_id: str, attempt: int) -> list[dict]:
 def test_sigterm_to_a_worker_checkpoints_requeues_and_resumes(live_service, reference_dp2_run):
     url = live_service.url
     _, ref_rows = reference_dp2_run
-    run = submit(url, ft_spec("e2e-preempt-sigterm"))  # max_failures 0: a plain failure would end the run
+    # max_failures 0: a plain failure would end the run; paced (0.3 s more per step on rank 0, the math unchanged)
+    # so that the SIGTERM lands mid-run
+    run = submit(url, ft_spec("e2e-preempt-sigterm", faults={"slow_rank": {"rank": 0, "delay_s": 0.3}}))
     wait_for_step(url, run["id"], 7, timeout_s=300)
     pids = worker_pids(url, run["id"])
     os.kill(pids[1], signal.SIGTERM)
@@ -45,8 +47,11 @@ def test_sigterm_to_a_worker_checkpoints_requeues_and_resumes(live_service, refe
     recomputed = {r["step"] for r in first} & {r["step"] for r in second}
     assert len(recomputed) <= 1, sorted(recomputed)
     stopped_at = max(r["step"] for r in first)
+    # the emergency checkpoint was recorded (checkpoint.keep 2 has pruned it since: the listing holds 25 and 30)
+    recorded = [e["reason"] for e in events(url, run["id"]) if e["kind"] == "checkpoint"]
+    assert any(r.startswith(f"checkpoint of step {stopped_at} at ") for r in recorded), (stopped_at, recorded)
     cks = httpx.get(f"{url}/v1/runs/{run['id']}/checkpoints", timeout=30).json()["items"]
-    assert stopped_at in {c["step"] for c in cks}  # the emergency checkpoint
+    assert [c["step"] for c in cks] == [25, 30]
     # the resumed run is the uninterrupted one (model, optimizer and data position restored)
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in ref_rows], rel=1e-5)
 

@@ -205,3 +205,45 @@ def test_cluster_state_of_a_dead_gcs_fails_at_once_without_a_reader_process():
         with pytest.raises(ClusterUnavailable, match=f"the Ray GCS at 127.0.0.1:{port} does not answer"):
             view.nodes()
         assert view._proc is None
+
+
+def _ckpt_dir(root, step: int):
+    d = root / f"step_{step:08d}_a1"
+    d.mkdir(parents=True)
+    (d / "shard.bin").write_bytes(b"x" * 10)
+    return d
+
+
+def test_the_driver_prunes_checkpoints_only_after_the_newer_ones_are_recorded(factory, tmp_path):
+    """checkpoint.keep is the driver's job, not Ray Train's: what is recorded and not among the newest ``keep``
+    is deleted; a checkpoint that arrives after the run ended is not recorded and deletes nothing, so the newest
+    recorded ones always exist (a cancel no longer leaves a run whose recorded checkpoints are all gone)."""
+    rid = _running_run(factory, "meshrun-x-1")
+    life = RunLifecycle(factory, rid, actor="driver", job_id="meshrun-x-1", checkpoint_keep=2)
+    dirs = {step: _ckpt_dir(tmp_path / "ck", step) for step in (5, 10, 15, 20)}
+
+    def ck(step):
+        return {"type": "checkpoint", "attempt": 1, "step": step, "path": str(dirs[step])}
+
+    life.recorder.apply([{"type": "attempt", "attempt": 1, "ranks": []}, ck(5), ck(10)])
+    assert dirs[5].exists() and dirs[10].exists()
+    life.recorder.apply([ck(15)])
+    assert not dirs[5].exists() and dirs[10].exists() and dirs[15].exists()
+    with session_scope(factory) as s:  # cancelled: the attempt is revoked
+        store.end_run(s, run_id=rid, to="CANCELLED", reason="cancelled by user")
+    life.recorder.apply([ck(20)])  # written by the workers before they stopped, never recorded
+    assert dirs[10].exists() and dirs[15].exists() and dirs[20].exists()
+    with session_scope(factory) as s:
+        latest = store.latest_checkpoint(s, run_id=rid)
+        assert latest is not None and latest.step == 15
+        assert [c.step for c in store.list_checkpoints(s, run_id=rid)] == [5, 10, 15]
+
+
+def test_without_keep_the_driver_deletes_no_checkpoint(factory, tmp_path):
+    rid = _running_run(factory, "meshrun-x-1")
+    life = RunLifecycle(factory, rid, actor="driver", job_id="meshrun-x-1")
+    dirs = [_ckpt_dir(tmp_path / "ck", step) for step in (5, 10, 15)]
+    life.recorder.apply([{"type": "attempt", "attempt": 1, "ranks": []}]
+                        + [{"type": "checkpoint", "attempt": 1, "step": 5 * (i + 1), "path": str(d)}
+                           for i, d in enumerate(dirs)])
+    assert all(d.exists() for d in dirs)
