@@ -118,6 +118,57 @@ def test_weights_only_checkpoint_loads_with_a_fresh_optimizer_and_other_models_a
         load_checkpoint(tmp_path / "w", model_parts=[_tiny_gpt(3)], optimizers=[], schedulers=[])
 
 
+def _adamw(model, lr: float, wd: float) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": wd}, {"params": rest, "weight_decay": 0.0}], lr=lr)
+
+
+def _one_step(model, opt) -> None:
+    x = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))  # tiny preset: vocab 256
+    model(x).float().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "written-before-packing"])
+def test_optimizer_hyperparameters_are_one_item_per_parameter_and_old_checkpoints_still_load(
+    tmp_path, monkeypatch, packed
+):
+    """A parameter group's hyperparameters are one DCP item per parameter (``optim.hypers.<fqn>``), not one per
+    hyperparameter (they were 3/4 of a save's items); checkpoints of the old layout load the same way."""
+    import workers.checkpoint as ck
+
+    src = _tiny_gpt(2)
+    opt = _adamw(src, lr=3e-3, wd=0.1)
+    _one_step(src, opt)
+    opt.param_groups[0]["betas"] = (0.8, 0.9)  # non-default hyperparameters must come back
+    if not packed:
+        monkeypatch.setattr(ck, "_pack_hypers", lambda flat: flat)
+    save_checkpoint(tmp_path / "c", model_parts=[src], optimizers=[opt], schedulers=[], step=1)
+    monkeypatch.undo()
+    keys = _keys(tmp_path / "c")
+    n_params = len(list(src.parameters()))
+    groups = [k for k in keys if k.startswith("optim.param_groups.")]
+    hypers = [k for k in keys if k.startswith("optim.hypers.")]
+    if packed:
+        assert not groups and len(hypers) == n_params and "optim.hypers.tok_emb.weight" in hypers
+    else:
+        assert not hypers and len(groups) >= 10 * n_params
+    dst = _tiny_gpt(2)
+    opt2 = _adamw(dst, lr=1.0, wd=0.0)
+    load_checkpoint(tmp_path / "c", model_parts=[dst], optimizers=[opt2], schedulers=[])
+    for g, g2 in zip(opt.param_groups, opt2.param_groups):
+        assert {k: v for k, v in g.items() if k != "params"} == {k: v for k, v in g2.items() if k != "params"}
+    s1, s2 = opt.state_dict()["state"], opt2.state_dict()["state"]
+    assert s1.keys() == s2.keys()
+    for k in s1:
+        torch.testing.assert_close(s1[k], s2[k], rtol=0, atol=0)
+    _one_step(src, opt)
+    _one_step(dst, opt2)  # the same update from the restored state
+    torch.testing.assert_close(dst.state_dict(), src.state_dict(), rtol=0, atol=0)
+
+
 def test_prune_keeps_the_newest_complete_checkpoints(tmp_path):
     for step in (2, 4, 6, 8):
         d = checkpoint_path(tmp_path, step)
