@@ -2,8 +2,10 @@
 
 Starts ``meshrun serve`` (its own local Ray head, a throw-away data dir) unless ``--url`` names a running service,
 submits a checkpointing dp2 run of the tiny GPT sized to take about ``--duration-s`` seconds, and every
-``--kill-every-s`` seconds sends ``--signal`` to one of its workers (ranks taken in turn, pids from the run's latest
-placement event):
+``--kill-every-s`` seconds (each interval drawn uniformly within +-``--jitter-s``, so a kill does not land at the
+same point between two checkpoints every time: with a fixed interval the restart time and the checkpoint interval
+lock that phase, and the recomputed steps measure luck) sends ``--signal`` to one of its workers (ranks taken in
+turn, pids from the run's latest placement event):
 
 - ``KILL``: a crash; Ray Train restarts the worker group from the latest checkpoint (``max_failures`` unlimited);
 - ``TERM``: a preemption notice; the run checkpoints at its next report, goes back to the queue and resumes.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -74,14 +77,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", help="a running meshrun service (default: start one)")
     ap.add_argument("--duration-s", type=float, default=600.0, help="target length of the run")
-    ap.add_argument("--kill-every-s", type=float, default=60.0)
+    ap.add_argument("--kill-every-s", type=float, default=60.0, help="mean time between two signals")
+    ap.add_argument("--jitter-s", type=float, default=5.0, help="each interval is kill-every-s +- this (uniform)")
+    ap.add_argument("--seed", type=int, default=None, help="of the intervals' jitter (default: random)")
     ap.add_argument("--signal", choices=["KILL", "TERM"], default="KILL")
     ap.add_argument(
         "--checkpoint-every",
         type=int,
-        default=500,
-        help="steps between checkpoints (500 of ~10 ms: about Young's optimum sqrt(2 x save cost x time between "
-        "failures) for a 0.1-0.2 s save and a failure a minute)",
+        default=300,
+        help="steps between checkpoints (300 of ~11 ms: about Young's optimum sqrt(2 x save cost x time between "
+        "failures) for a 0.08 s save and a failure a minute)",
     )
     ap.add_argument(
         "--step-s", type=float, default=0.01, help="one step's time, to size the run (tiny GPT, dp2, CPU: ~10 ms)"
@@ -111,12 +116,17 @@ def main() -> int:
         rid = run["id"]
         print(f"run {rid}: {steps} steps, {args.signal} to a worker every {args.kill_every_s:.0f} s", flush=True)
         t0, next_kill, victim, kills = time.monotonic(), None, 1, 0
+        rng = random.Random(args.seed)
+
+        def interval() -> float:
+            return max(1.0, args.kill_every_s + rng.uniform(-args.jitter_s, args.jitter_s))
+
         while True:
             r = httpx.get(f"{url}/v1/runs/{rid}", timeout=30).json()
             if r["status"] in TERMINAL:
                 break
             if r["status"] == "RUNNING" and next_kill is None:
-                next_kill = time.monotonic() + args.kill_every_s
+                next_kill = time.monotonic() + interval()
             if next_kill is not None and time.monotonic() >= next_kill:
                 pids = _pids(url, rid)
                 if r["status"] == "RUNNING" and pids:
@@ -128,7 +138,7 @@ def main() -> int:
                     except ProcessLookupError:
                         pass
                     victim += 1
-                next_kill = time.monotonic() + args.kill_every_s
+                next_kill = time.monotonic() + interval()
             time.sleep(1)
         g = httpx.get(f"{url}/v1/runs/{rid}/goodput", timeout=30).json()
         steps_seen, cursor = [], None

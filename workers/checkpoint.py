@@ -53,6 +53,7 @@ import pickle
 import random
 import re
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -122,10 +123,10 @@ def _world() -> int:
 
 
 def _local_optimizer(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """ZeroRedundancyOptimizer -> the local optimizer over the parameters this rank owns."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
+    """ZeroRedundancyOptimizer -> the local optimizer over the parameters this rank owns. (Not imported here:
+    torch.distributed.optim costs a restarting worker 0.2-0.3 s, and a ZeRO optimizer means it is loaded.)"""
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    return opt.optim if zero is not None and isinstance(opt, zero.ZeroRedundancyOptimizer) else opt
 
 
 def _pairs(model_parts: Sequence[nn.Module], optimizers: Any) -> list[tuple[nn.Module, torch.optim.Optimizer]]:

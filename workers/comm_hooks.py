@@ -195,7 +195,9 @@ class Tracker:
         return out
 
     # ------------------------------------------------------------------------------------------ install
-    def install(self) -> Tracker:
+    def install(self, *, pipeline: bool = True) -> Tracker:
+        """Patch the collectives; ``pipeline``: also torch's pipeline schedules (importing them costs a starting
+        worker 0.3-0.5 s, so a run without pp passes False)."""
         global _ACTIVE
         if _ACTIVE is not None and _ACTIVE is not self:
             _ACTIVE.uninstall()
@@ -214,6 +216,8 @@ class Tracker:
             self._patch(funcol, "wait_tensor", _wrap_wait_tensor(funcol.wait_tensor))
         except ImportError:  # pragma: no cover - torch without functional collectives
             log.warning("torch.distributed._functional_collectives missing: tensor-parallel time is not measured")
+        if not pipeline:
+            return self
         try:
             from torch.distributed.pipelining import schedules
 

@@ -175,7 +175,7 @@ def _train(
     heartbeat = Heartbeat(state, state_dir=job.state_dir, on_state=on_state).start()
     if job.state_dir:
         install_stack_dump(job.state_dir, rank)
-    tracker = Tracker(clock=make_clock(device.type), state=state, dims=dims).install()
+    tracker = Tracker(clock=make_clock(device.type), state=state, dims=dims).install(pipeline=plan.pp > 1)
     faults = FaultInjector(spec.faults, rank=rank, attempt=job.attempt, state=state)
     profiler: Profiler | None = None
     try:

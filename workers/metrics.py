@@ -10,9 +10,13 @@ really holds).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import platform
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -79,25 +83,53 @@ GPU_PEAK_FLOPS = {
 _cpu_peak: float | None = None
 
 
+CPU_PEAK_CACHE_S = 3600.0  # a measurement is reused this long on the same host (restarts skip the 0.3 s)
+
+
+def _cpu_peak_cache() -> Path:
+    return Path(tempfile.gettempdir()) / f"meshrun-cpu-peak-flops-{os.getuid() if hasattr(os, 'getuid') else 0}.json"
+
+
+def _cpu_peak_key(threads: int) -> str:
+    return f"{platform.node()}|{platform.machine()}|{os.cpu_count()}|{threads}|{torch.__version__}"
+
+
 def measured_cpu_peak_flops(*, seconds: float = 0.3, n: int = 1024, threads: int | None = None) -> float:
-    """fp32 matmul FLOP/s this process reaches (cached per process): with its current thread count, or with
+    """fp32 matmul FLOP/s this process reaches (cached per process, and for ``CPU_PEAK_CACHE_S`` in a file per
+    host and thread count, so a restarted worker does not measure again): with its current thread count, or with
     ``threads`` threads for the measurement (the service measures one core, i.e. a 1-CPU worker)."""
     global _cpu_peak
-    if _cpu_peak is None:
-        before = torch.get_num_threads()
-        if threads is not None:
-            torch.set_num_threads(threads)
-        try:
-            a, b = torch.randn(n, n), torch.randn(n, n)
-            for _ in range(2):  # warm up the BLAS threads
-                a @ b
-            iters, t0 = 0, time.perf_counter()
-            while time.perf_counter() - t0 < seconds:
-                a @ b
-                iters += 1
-            _cpu_peak = 2.0 * n**3 * iters / (time.perf_counter() - t0)
-        finally:
-            torch.set_num_threads(before)
+    if _cpu_peak is not None:
+        return _cpu_peak
+    key = _cpu_peak_key(threads if threads is not None else torch.get_num_threads())
+    cache = _cpu_peak_cache()
+    try:
+        saved = json.loads(cache.read_text()).get(key)
+        if saved and 0 <= time.time() - float(saved["at"]) < CPU_PEAK_CACHE_S and float(saved["flops"]) > 0:
+            _cpu_peak = float(saved["flops"])
+            return _cpu_peak
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        pass
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        for _ in range(2):  # warm up the BLAS threads
+            a @ b
+        iters, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            a @ b
+            iters += 1
+        _cpu_peak = 2.0 * n**3 * iters / (time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    try:  # best effort: one small JSON file, replaced atomically
+        tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({key: {"flops": _cpu_peak, "at": time.time()}}))
+        os.replace(tmp, cache)
+    except OSError:
+        pass
     return _cpu_peak
 
 

@@ -231,12 +231,14 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             flush()
         if not path:
             return
+        t0 = time.perf_counter()
         ray.train.report(
             {"step": int(step), "attempt": attempt},
             checkpoint=ray.train.Checkpoint.from_directory(path),
             checkpoint_dir_name=f"step_{int(step):08d}_a{attempt}",
             delete_local_checkpoint_after_upload=True,
         )
+        logger.info("rank %d: checkpoint of step %d reported in %.3f s", rank, step, time.perf_counter() - t0)
 
     state_dir = local_root.parent.parent / "meshrun-state" / run_id / f"a{attempt}"
     profile_dir = local_root.parent.parent / "meshrun-profiles" / run_id / f"a{attempt}"
