@@ -22,3 +22,17 @@ def test_worker_group_start_failures_are_bounded(tmp_path):
         limits[stoppable] = trainer.run_config.failure_config.controller_failure_limit
     assert limits == {True: 0, False: RUN_START_RETRIES} and RUN_START_RETRIES >= 0
     assert placing_phase(plan).startswith("placing 2 workers of 1 CPU")
+
+
+def test_no_ray_datasets_callback_without_ray_datasets(tmp_path):
+    """Ray Train's datasets callback would start a DatasetManager actor (a process) at every worker group start."""
+    from ray.train.v2._internal.callbacks import BackendSetupCallback, DatasetsCallback
+
+    spec = RunSpec.model_validate({"model": {"name": "gpt", "preset": "tiny"}, "layout": {"dp": 2},
+                                   "batch": {"global_batch_size": 4, "micro_batch_size": 2},
+                                   "resources": {"device": "cpu"}})
+    trainer = build_trainer(run_id="r", run_name="n", resume_from=None, spec=spec, plan=build_plan(spec),
+                            placement=None, channel=None, settings=Settings(data_dir=tmp_path), train_run_name="x")
+    callbacks = trainer._create_default_callbacks()
+    assert not any(isinstance(c, DatasetsCallback) for c in callbacks)
+    assert any(isinstance(c, BackendSetupCallback) for c in callbacks)  # the rest are Ray Train's own
