@@ -103,8 +103,10 @@ def measured_cpu_peak_flops(*, seconds: float = 0.3, n: int = 1024, threads: int
         return _cpu_peak
     key = _cpu_peak_key(threads if threads is not None else torch.get_num_threads())
     cache = _cpu_peak_cache()
+    known: dict = {}
     try:
-        saved = json.loads(cache.read_text()).get(key)
+        known = dict(json.loads(cache.read_text()))
+        saved = known.get(key)
         if saved and 0 <= time.time() - float(saved["at"]) < CPU_PEAK_CACHE_S and float(saved["flops"]) > 0:
             _cpu_peak = float(saved["flops"])
             return _cpu_peak
@@ -126,7 +128,8 @@ def measured_cpu_peak_flops(*, seconds: float = 0.3, n: int = 1024, threads: int
         torch.set_num_threads(before)
     try:  # best effort: one small JSON file, replaced atomically
         tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({key: {"flops": _cpu_peak, "at": time.time()}}))
+        known[key] = {"flops": _cpu_peak, "at": time.time()}  # other thread counts' entries kept
+        tmp.write_text(json.dumps(known))
         os.replace(tmp, cache)
     except OSError:
         pass

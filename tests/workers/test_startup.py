@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 import workers.metrics as metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,6 +72,9 @@ def test_cpu_peak_flops_are_measured_once_per_host_and_thread_count(tmp_path, mo
     monkeypatch.setattr(metrics, "_cpu_peak", None)
     first = metrics.measured_cpu_peak_flops(seconds=0.05, n=128)
     assert first > 0 and cache.exists()
+    monkeypatch.setattr(metrics, "_cpu_peak", None)
+    other = metrics.measured_cpu_peak_flops(seconds=0.05, n=128, threads=torch.get_num_threads() + 1)  # its own entry
+    assert other > 0 and len(json.loads(cache.read_text())) == 2
     monkeypatch.setattr(metrics, "_cpu_peak", None)  # a new process
     assert metrics.measured_cpu_peak_flops(seconds=0.05, n=128) == first  # read back, not measured again
     # a stale entry is measured again (a new float: another measurement is never bit-identical in practice)
