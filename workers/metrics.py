@@ -90,18 +90,18 @@ def _cpu_peak_cache() -> Path:
     return Path(tempfile.gettempdir()) / f"meshrun-cpu-peak-flops-{os.getuid() if hasattr(os, 'getuid') else 0}.json"
 
 
-def _cpu_peak_key(threads: int) -> str:
-    return f"{platform.node()}|{platform.machine()}|{os.cpu_count()}|{threads}|{torch.__version__}"
+def _cpu_peak_key(threads: int, n: int) -> str:
+    return f"{platform.node()}|{platform.machine()}|{os.cpu_count()}|{threads}|{n}|{torch.__version__}"
 
 
 def measured_cpu_peak_flops(*, seconds: float = 0.3, n: int = 1024, threads: int | None = None) -> float:
     """fp32 matmul FLOP/s this process reaches (cached per process, and for ``CPU_PEAK_CACHE_S`` in a file per
-    host and thread count, so a restarted worker does not measure again): with its current thread count, or with
+    host, thread count and matrix size, so a restarted worker does not measure again): with its current thread count, or with
     ``threads`` threads for the measurement (the service measures one core, i.e. a 1-CPU worker)."""
     global _cpu_peak
     if _cpu_peak is not None:
         return _cpu_peak
-    key = _cpu_peak_key(threads if threads is not None else torch.get_num_threads())
+    key = _cpu_peak_key(threads if threads is not None else torch.get_num_threads(), n)
     cache = _cpu_peak_cache()
     known: dict = {}
     try:
