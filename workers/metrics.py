@@ -96,8 +96,8 @@ def _cpu_peak_key(threads: int, n: int) -> str:
 
 def measured_cpu_peak_flops(*, seconds: float = 0.3, n: int = 1024, threads: int | None = None) -> float:
     """fp32 matmul FLOP/s this process reaches (cached per process, and for ``CPU_PEAK_CACHE_S`` in a file per
-    host, thread count and matrix size, so a restarted worker does not measure again): with its current thread count, or with
-    ``threads`` threads for the measurement (the service measures one core, i.e. a 1-CPU worker)."""
+    host, thread count and matrix size, so a restarted worker does not measure again): with its current thread
+    count, or with ``threads`` threads for the measurement (the service measures one core, i.e. a 1-CPU worker)."""
     global _cpu_peak
     if _cpu_peak is not None:
         return _cpu_peak
