@@ -142,7 +142,10 @@ def test_cancel_and_resume_on_a_new_layout_from_the_page(live_service, console):
     page.reload()
     page.click("button[data-resume]")
     page.fill("#resume-form input[name=dp]", "2")
-    page.click("#resume-submit")
+    # the click returns before the page's POST is answered: wait for it (a GET right after can still see CANCELLED)
+    with page.expect_response(lambda r: r.url.endswith("/resume") and r.request.method == "POST") as answer:
+        page.click("#resume-submit")
+    assert answer.value.status == 200, answer.value.text()
     resumed = wait_for(url, run["id"], {"QUEUED", "STARTING", "RUNNING"}, timeout_s=60)
     assert resumed["spec"]["layout"]["dp"] == 2
     page.wait_for_selector("#run-live:not([data-status='CANCELLED'])")  # the page reloaded after the resume
