@@ -11,8 +11,6 @@ FROM ${PYTHON_IMAGE}
 
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-# Every node of a Ray cluster must run the same Ray (and Python) version: pinned here, tested with 2.60.
-ARG RAY_VERSION=2.60.0
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -30,14 +28,14 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
 WORKDIR /opt/meshrun
 
-# Dependencies in their own layer: a code change does not reinstall ray.
-COPY pyproject.toml ./
-RUN python -c "import tomllib; print(chr(10).join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
-      > /tmp/requirements.txt \
- && pip install -r /tmp/requirements.txt "ray[default,train,tune]==${RAY_VERSION}" \
- && rm /tmp/requirements.txt
+# Dependencies in their own layer (a code change does not reinstall ray), exactly as locked: the versions CI
+# tested, with hashes (torch, installed above, is left out of the lock). Every node of a Ray cluster must run
+# the same Ray (and Python) version: the lock pins it (ray 2.60.0).
+COPY requirements/runtime.lock ./requirements/runtime.lock
+RUN pip install --require-hashes -r requirements/runtime.lock
 
 # The project itself.
+COPY pyproject.toml ./
 COPY README.md ./
 COPY api ./api
 COPY service ./service

@@ -67,9 +67,20 @@ def check_yaml_limits(
     size = len(text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text)
     if size > max_bytes:
         raise YamlLimitError(f"YAML document of {size} bytes is over the limit of {max_bytes} bytes")
+    _check_flow_depth(text if isinstance(text, str) else text.decode("utf-8", "replace"), max_depth)
     children: list[list[Any]] = []  # per open collection: [is_mapping, child count]
     nodes = 0
-    for event in yaml.parse(text, Loader=_SafeBase):
+    events = yaml.parse(text, Loader=_SafeBase)
+    while True:
+        try:
+            event = next(events)
+        except StopIteration:
+            return
+        except yaml.YAMLError as e:
+            # PyYAML >= 6.0.4 refuses deep flow nesting in its scanner (before any event): that is this limit
+            if "nesting depth" in str(e):
+                raise YamlLimitError(f"YAML document is nested deeper than {max_depth} levels") from None
+            raise
         if isinstance(event, yaml.CollectionEndEvent):
             children.pop()
             continue
@@ -87,6 +98,43 @@ def check_yaml_limits(
             children.append([isinstance(event, yaml.MappingStartEvent), 0])
             if len(children) > max_depth:
                 raise YamlLimitError(f"YAML document is nested deeper than {max_depth} levels")
+
+
+# the characters that open or close flow collections, quote, escape, comment or end a line
+_FLOW_CHARS = re.compile(r"[\[\]{}'\"\\#\n]")
+
+
+def _check_flow_depth(text: str, max_depth: int) -> None:
+    """Refuse flow nesting ('[' / '{') deeper than ``max_depth`` with a scan of our own, before PyYAML sees the
+    text: its scanner looks ahead across a whole run of '[' (each may start a simple key), so its own limit (a
+    ScannerError since PyYAML 6.0.4) or, before that, libyaml's unbounded recursion would act first. The scan
+    skips quoted scalars and comments; it may count brackets inside block scalars, which matters only for a
+    document nested that deep anyway."""
+    depth = 0
+    quote = ""  # the open quote character, if any
+    comment = False
+    skip_until = 0  # a backslash in a double-quoted scalar escapes the next character
+    for m in _FLOW_CHARS.finditer(text):
+        ch, at = m.group(), m.start()
+        if at < skip_until:
+            continue
+        if comment:
+            comment = ch != "\n"
+        elif quote:
+            if ch == "\\" and quote == '"':
+                skip_until = at + 2
+            elif ch == quote:
+                quote = ""
+        elif ch in "[{":
+            depth += 1
+            if depth > max_depth:
+                raise YamlLimitError(f"YAML document is nested deeper than {max_depth} levels")
+        elif ch in "]}":
+            depth = max(0, depth - 1)
+        elif ch in "'\"" and (at == 0 or text[at - 1] in " \t\n[{,:-?"):
+            quote = ch
+        elif ch == "#" and (at == 0 or text[at - 1] in " \t\n"):
+            comment = True
 
 
 def load_yaml(text: str | bytes) -> Any:

@@ -40,6 +40,21 @@ def test_yaml_limits(text, why):
     assert load_yaml("a: [1, {b: 3e-4}]\nc: &x [1]\nd: *x\n") == {"a": [1, {"b": 0.0003}], "c": [1], "d": [1]}
 
 
+@pytest.mark.parametrize("text", [
+    "[" * 30000 + "]" * 30000,  # past PyYAML's own scanner limit (6.0.4+): meshrun's limit still speaks
+    "a: " + "{b: " * 1500 + "1" + "}" * 1500,
+    "a: |\n  '\nb: " + "[" * 1500 + "]" * 1500,  # a quote in a block scalar hides the brackets from the pre-scan
+])
+def test_deep_flow_nesting_is_meshrun_s_limit_whatever_the_pyyaml_version(text):
+    with pytest.raises(YamlLimitError, match="nested deeper than 64 levels"):
+        load_yaml(text)
+
+
+def test_brackets_in_quotes_and_comments_do_not_count_as_nesting():
+    text = "a: '" + "[" * 100 + "'\nb: \"" + "{" * 100 + "\\\" [\"\n# " + "[" * 100 + "\nc: [[1]]\n"
+    assert load_yaml(text) == {"a": "[" * 100, "b": "{" * 100 + '" [', "c": [[1]]}
+
+
 HOSTILE_YAML = [
     ("[" * 30000 + "]" * 30000, None),
     ("model:\n  args: " + "[" * 10000 + "]" * 10000, None),

@@ -291,6 +291,8 @@ def test_dockerfile_installs_cpu_torch_then_the_project():
     torch_at = text.index("torch==")
     project_at = text.index("pip install --no-deps .")
     assert torch_at < project_at, "torch must come from the PyTorch index before the project's dependencies"
+    lock_at = text.index("pip install --require-hashes -r requirements/runtime.lock")  # the versions CI tested
+    assert torch_at < lock_at < project_at
     # every package pyproject ships is copied into the image, and every COPY source exists
     includes = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
     copied = re.findall(r"^COPY\s+(\S+)\s+\S+$", text, re.M)
