@@ -6,7 +6,8 @@
 - ``SameOriginMiddleware``: 403 for unsafe requests (POST, PUT, PATCH, DELETE) whose ``Origin`` is not one of the
   service's own origins (compared with the allow-list, not with the ``Host`` the request names).
 - ``SecurityHeadersMiddleware``: Content-Security-Policy, X-Frame-Options, X-Content-Type-Options and
-  Referrer-Policy on every response (a route may set its own CSP: the API docs and the Ray dashboard do).
+  Referrer-Policy on every response (a route may set its own CSP: the API docs and the Ray dashboard do), and a
+  ``Retry-After`` on every 503 that has none.
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ RAY_CSP = (
     "img-src 'self' data: blob:; font-src 'self' data:; connect-src 'self'; object-src 'none'; base-uri 'self'; "
     "form-action 'self'; frame-ancestors 'none'"
 )
+
+
+DEFAULT_RETRY_AFTER_S = "5"
 
 
 def _headers(scope: Scope) -> dict[str, str]:
@@ -149,6 +153,9 @@ class SecurityHeadersMiddleware:
                 headers["X-Content-Type-Options"] = "nosniff"
                 headers["Referrer-Policy"] = "same-origin"
                 headers.setdefault("Cross-Origin-Opener-Policy", "same-origin")
+                if message.get("status") == 503 and "retry-after" not in headers:
+                    # every 503 says when to come back (the SDK waits that long and retries)
+                    headers["Retry-After"] = DEFAULT_RETRY_AFTER_S
             await send(message)
 
         await self.app(scope, receive, send_with_headers)
