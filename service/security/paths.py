@@ -120,9 +120,10 @@ def _secret_locations(settings: Settings) -> list[str]:
 def _secret(path: str, settings: Settings, *, tree: bool) -> bool:
     """The service's credentials, database and Ray token (refused to every caller); with ``tree`` (a path read
     as a whole directory tree) also every directory that holds one of them."""
-    db_file = _db_file(settings)
-    if db_file is not None and path.startswith(db_file):  # also its -wal / -shm / -journal
-        return True
+    # also its -wal / -shm / -journal; and the default SQLite file, which may be left from before PostgreSQL
+    for db_file in (_db_file(settings), os.path.join(_real(settings.data_dir), "meshrun.db")):
+        if db_file is not None and path.startswith(db_file):
+            return True
     return any(_under(path, loc) or (tree and _under(loc, path)) for loc in _secret_locations(settings))
 
 
