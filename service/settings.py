@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
@@ -50,6 +50,19 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     public_url: str | None = Field(None, description="URL the Ray Job drivers use to reach this service.")
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="MESHRUN_ALLOWED_HOSTS: host names (comma-separated) that requests may address in their Host "
+        "header besides loopback names, IP addresses, MESHRUN_HOST and MESHRUN_PUBLIC_URL's host; any other Host "
+        "is refused with 400 (a web page cannot reach the service by rebinding its own name to this machine). "
+        "'*' accepts every host (only behind a proxy that checks Host itself).",
+    )
+    local_code_rights: bool = Field(
+        True,
+        description="MESHRUN_LOCAL_CODE_RIGHTS: with auth off, the local user may submit specs that run user code "
+        "(custom entrypoints, user models, code.working_dir); false refuses them (403) like a token without "
+        "--can-run-code.",
+    )
     auth: Literal["auto", "on", "off"] = Field(
         "auto", description="auto = on unless the service listens on loopback only."
     )
@@ -120,11 +133,12 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     start_scheduler: bool = Field(True, description="Run admission/reconcile loops in the API process.")
     console_session_hours: float = Field(12.0, gt=0, le=24 * 30, description="Web console sign-in lifetime.")
-    ray_dashboard_proxy: Literal["signed-in", "admins", "off"] = Field(
-        "signed-in",
+    ray_dashboard_proxy: Literal["admins", "project", "signed-in", "off"] = Field(
+        "admins",
         description="Who may open the Ray dashboard through the service at /ray/ (read-only, with the cluster's "
-        "token added by the service): every signed-in user, admins only, or nobody. The dashboard shows every "
-        "project's jobs: use 'admins' where projects must not see each other's.",
+        "token added by the service): admins only; 'project' = every signed-in user, who sees only the job "
+        "lists, job details and driver logs of their own project's runs (everything else answers 404, admins "
+        "see all); 'signed-in' = every signed-in user sees every project's jobs; 'off' = nobody.",
     )
     metrics_token: str | None = Field(
         None,
@@ -152,6 +166,32 @@ class Settings(BaseSettings):
                 "<data_dir>/meshrun.db"
             )
         return v
+
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _split_hosts(cls, v: object) -> object:
+        if isinstance(v, str):
+            text = v.strip()
+            if text.startswith("["):
+                import json
+
+                return json.loads(text)
+            return [h for h in (p.strip() for p in text.split(",")) if h]
+        return v
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _normal_hosts(cls, v: list[str]) -> list[str]:
+        out = []
+        for h in v:
+            h = h.strip().lower().rstrip(".")
+            if "://" in h or "/" in h:
+                raise ValueError(f"MESHRUN_ALLOWED_HOSTS entries are host names such as meshrun.example, not {h!r}")
+            host, sep, port = h.rpartition(":")
+            if sep and port.isdigit() and ":" not in host:  # meshrun.example:8443 -> meshrun.example
+                h = host
+            out.append(h.strip("[]"))
+        return out
 
     @field_validator("metrics_token")
     @classmethod

@@ -28,6 +28,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PGID_FILE = Path("/tmp/meshrun-test-ray.pgids")
+# Starlette's TestClient addresses the app as "testserver": allowed explicitly, like a deployment names its hosts
+# (service.security.hosts refuses every other non-loopback name)
+os.environ.setdefault("MESHRUN_ALLOWED_HOSTS", "testserver")
 logger = logging.getLogger("meshrun.tests")
 
 

@@ -52,6 +52,11 @@ class UserCodeError(ValueError):
         super().__init__(f"{param}: {message}")
         self.param, self.message = param, message
 
+    def __reduce__(self) -> tuple[type[UserCodeError], tuple[str, str]]:
+        # Ray pickles a worker's exception to the driver; the default rebuilds it from ``args`` (one string) and
+        # failed with "__init__() missing 1 required positional argument" instead of this error's message
+        return (type(self), (self.param, self.message))
+
 
 # ------------------------------------------------------------------------------------------------ import
 def add_code_path(path: str | os.PathLike | None) -> str | None:

@@ -63,7 +63,7 @@ class DataSpec(_Spec):
         description="synthetic | text (byte-level over files; no path = built-in corpus) | "
         "tokens (directory of .bin token files) | custom (entrypoint)",
     )
-    path: str | None = Field(None, max_length=4096, description="File or directory for text/tokens.")
+    path: str | None = Field(None, min_length=1, max_length=4096, description="File or directory for text/tokens.")
     entrypoint: str | None = Field(None, description="'package.module:function' returning a map-style dataset.")
     args: dict[str, Any] = Field(default_factory=dict)
 
@@ -123,7 +123,11 @@ class Layout(_Spec):
     pp: int = Field(1, ge=1, le=MAX_WORLD_SIZE, description="Pipeline stages.")
     zero_stage: int = Field(0, ge=0, le=3, description="0 DDP, 1 sharded optimizer, 2 + grads, 3 FSDP full shard.")
     shard_group_size: int | None = Field(
-        None, ge=1, le=MAX_WORLD_SIZE, description="HSDP: shard within groups of this size, replicate across."
+        None,
+        ge=1,
+        le=MAX_WORLD_SIZE,
+        description="HSDP: shard within groups of this size, replicate across (needs zero_stage 2 or 3; refused "
+        "with 0 or 1).",
     )
     sequence_parallel: bool = False
     pp_schedule: PPSchedule = "1f1b"

@@ -5,7 +5,8 @@
 - ``SettingsDep``: the app's Settings.
 - ``PrincipalDep``: who calls. With auth on, from ``Authorization: Bearer <token>``, or from the web console's
   session cookie (unsafe methods then need the session's ``X-CSRF-Token``), 401 otherwise; with auth off the single
-  local user (project "default", admin, may run code). Rate limiting per token happens here too.
+  local user (project "default", admin, may run code unless MESHRUN_LOCAL_CODE_RIGHTS=false; never a request a
+  browser sends for another site). Rate limiting per token happens here too.
 - ``RuntimeDep``: ``app.state.runtime`` (None when the scheduler does not run in this process).
 - ``SessionFactoryDep``: the app's sessionmaker (for work outside the request's transaction, e.g. health checks).
 
@@ -52,6 +53,7 @@ class Principal:
 
 
 LOCAL_PRINCIPAL = Principal(project=LOCAL_PROJECT, token_name="local", admin=True, can_run_code=True)
+LOCAL_PRINCIPAL_NO_CODE = Principal(project=LOCAL_PROJECT, token_name="local", admin=True, can_run_code=False)
 
 
 # ---------------------------------------------------------------------------------------------- settings
@@ -202,10 +204,30 @@ def authenticate(
 def _local_user(request: Request) -> Principal:
     principal = getattr(request.state, "principal", None)
     if principal is None:
+        principal = local_principal(request)
         client = request.client.host if request.client else "unknown"
         _rate_limit(request, f"client:{client}")
-        principal = request.state.principal = LOCAL_PRINCIPAL
+        request.state.principal = principal
     return principal
+
+
+def local_principal(request: Request) -> Principal:
+    """With auth off, the single local user: admin of project "default", with code rights unless
+    ``MESHRUN_LOCAL_CODE_RIGHTS=false``. A request that a browser sends for another site (an ``Origin`` outside
+    the service's allow-list, or ``Sec-Fetch-Site: cross-site`` on anything but a top-level page load) is never
+    that user: 403."""
+    settings: Settings = request.app.state.settings
+    policy = getattr(request.app.state, "host_policy", None)
+    navigation = request.method.upper() in SAFE_METHODS and request.headers.get("sec-fetch-mode") == "navigate"
+    if policy is not None and not navigation and policy.browser_foreign(request.headers):
+        raise ApiError(
+            403,
+            "a request from another site's page is not the local user of this service; use the API from a "
+            "program or the console (a page served under another name needs that name in MESHRUN_ALLOWED_HOSTS)",
+            code="cross_origin",
+            param="Origin",
+        )
+    return LOCAL_PRINCIPAL if settings.local_code_rights else LOCAL_PRINCIPAL_NO_CODE
 
 
 async def local_user(request: Request) -> Principal:

@@ -23,7 +23,7 @@ def ray_proxy_allowed(request: Request, principal: Any | None) -> bool:
     policy = request.app.state.settings.ray_dashboard_proxy
     if principal is None or policy == "off" or getattr(request.app.state, "runtime", None) is None:
         return False
-    return policy == "signed-in" or bool(principal.admin)
+    return policy in ("signed-in", "project") or bool(principal.admin)
 
 
 def ray_job_link(request: Request, principal: Any | None, ray_job_id: str | None, direct: str | None) -> str | None:

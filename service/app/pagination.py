@@ -51,15 +51,16 @@ def decode_cursor(cursor: str, kind: str, *types: type) -> tuple[Any, ...]:
                 if not isinstance(v, str):
                     raise ValueError
                 out.append(datetime.fromisoformat(v))
-            elif t is int:
-                if not isinstance(v, int) or isinstance(v, bool) or not -(2**63) <= v < 2**63:
+            elif t is int:  # offsets, steps, attempts and ids: never negative
+                if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**63:
                     raise ValueError
                 out.append(v)
             else:
-                if not isinstance(v, str):
+                if not isinstance(v, str) or "\x00" in v:
                     raise ValueError
+                v.encode("utf-8")  # a lone surrogate (JSON "\ud800") is no id any database can hold
                 out.append(v)
-        except ValueError:
+        except (ValueError, UnicodeEncodeError):
             raise _bad(kind) from None
     return tuple(out)
 

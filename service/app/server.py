@@ -21,14 +21,23 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.app.console import install_console
+from service.app.console.web import HERE as CONSOLE_DIR
 from service.app.deps import auth_dependencies
 from service.app.errors import ApiError, SafeJSONResponse, error_response, error_responses, install_error_handlers
+from service.app.middleware import (
+    HostAllowListMiddleware,
+    SameOriginMiddleware,
+    SecurityHeadersMiddleware,
+    content_security_policy,
+    template_script_hashes,
+)
 from service.app.observability import configure_logging, instrument_app
 from service.app.overload import OverloadGate
 from service.app.ratelimit import RateLimiter
 from service.app.routes import cluster, goodput, health, observe, plans, runs, sweeps
 from service.control.runtime import Runtime
 from service.meta import VERSION
+from service.security.hosts import HostPolicy
 from service.security.paths import storage_problem
 from service.settings import Settings, get_settings
 from service.store import migrate
@@ -46,6 +55,7 @@ PROTECTED_ROUTERS: tuple[APIRouter, ...] = (
     cluster.router,
 )
 COMMON_ERRORS = (400, 401, 413, 429, 500, 503)
+TEMPLATES = CONSOLE_DIR / "templates"
 
 
 # ----------------------------------------------------------------------------------------- body limit
@@ -90,36 +100,6 @@ class BodySizeLimitMiddleware:
             return message
 
         await self.app(scope, limited_receive, send)
-
-
-# ------------------------------------------------------------------------------------------ same origin
-class SameOriginMiddleware:
-    """403 for unsafe requests (POST, PUT, PATCH, DELETE) that a browser sends from another site: their ``Origin``
-    header names another host than the one addressed. Programs (SDK, CLI, curl) send no Origin and pass; so do the
-    console's own requests. With auth off this is what keeps a web page from driving a local service."""
-
-    SAFE = frozenset({b"GET", b"HEAD", b"OPTIONS"})
-
-    def __init__(self, app: ASGIApp):
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("method", "GET").encode() not in self.SAFE:
-            headers = dict(scope.get("headers") or ())
-            origin = headers.get(b"origin")
-            if origin is not None:
-                # the Host addressed, or the one a reverse proxy forwards (a page of another site cannot set that
-                # header on a cross-site request without a CORS preflight, which this service never grants)
-                hosts = {headers.get(b"host", b"").decode("latin-1").lower()}
-                forwarded = headers.get(b"x-forwarded-host")
-                if forwarded:
-                    hosts.add(forwarded.decode("latin-1").split(",", 1)[0].strip().lower())
-                theirs = origin.decode("latin-1").lower().split("://", 1)[-1].rstrip("/")
-                if origin == b"null" or theirs not in hosts:
-                    why = "cross-site requests are refused; use the API from a program or the console"
-                    await error_response(403, "cross_origin", why)(scope, receive, send)
-                    return
-        await self.app(scope, receive, send)
 
 
 # ------------------------------------------------------------------------------------------------ app
@@ -186,13 +166,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         write_slots=settings.max_concurrent_writes,
         read_priority_s=settings.read_priority_ms / 1000,
     )
-    app.add_middleware(SameOriginMiddleware)
-
     app.include_router(health.router)
     for router in PROTECTED_ROUTERS:
         _include(app, router, settings)
     install_console(app)
     instrument_app(app, settings)
+    # outermost (added last): every request is checked, and every response carries the headers
+    policy = app.state.host_policy = HostPolicy(settings)
+    app.add_middleware(SameOriginMiddleware, policy=policy)
+    app.add_middleware(HostAllowListMiddleware, policy=policy)
+    app.add_middleware(SecurityHeadersMiddleware, csp=content_security_policy(template_script_hashes(TEMPLATES)))
     _use_error_body_in_openapi(app)
     return app
 

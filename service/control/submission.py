@@ -115,7 +115,7 @@ def submit_run(
     admin: bool = False,
 ) -> tuple[Run, bool]:
     """Validate, plan and store a QUEUED run. Returns (run, created); created=False for an idempotent retry."""
-    spec = check_spec_policy(spec, can_run_code=can_run_code, settings=settings, admin=admin)
+    spec = check_spec_policy(spec, can_run_code=can_run_code, settings=settings, admin=admin, project=project)
     spec_json = spec.model_dump(mode="json")
     if idempotency_key:
         existing = store.find_by_idempotency_key(session, model=Run, project=project, key=idempotency_key)
@@ -218,7 +218,7 @@ def resume_run(
     if request.steps is not None:
         update["train"] = spec.train.model_copy(update={"steps": request.steps})
     new_spec = RunSpec.model_validate(spec.model_copy(update=update).model_dump())
-    check_spec_policy(new_spec, can_run_code=can_run_code, settings=settings, admin=admin)
+    check_spec_policy(new_spec, can_run_code=can_run_code, settings=settings, admin=admin, project=run.project)
     check_fits(session, new_spec, build_plan(new_spec), runtime)  # 422 before anything changes
     if not request.fresh and store.latest_checkpoint(session, run_id=run_id) is None:
         done = run.summary.get("steps_done") if isinstance(run.summary, dict) else None

@@ -38,6 +38,7 @@ from service.runs.inspect import InspectionFailed, describe, inspect_in_driver
 from service.runs.lifecycle import Outcome, RunLifecycle
 from service.runs.preemption import preemption_reason, watch_preempt_requests
 from service.runs.trainer import build_trainer, placing_phase, train_run_name
+from service.security.paths import project_checkpoint_root
 from service.settings import Settings
 from service.store.db import make_engine, make_sessionmaker, session_scope
 from workers.async_ps import run_async_ps
@@ -226,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         spec = RunSpec.model_validate(run.spec)
         plan = Plan.model_validate(run.plan) if run.plan else build_plan(spec)
         run_name, resume_from, first_attempt = run.name, run.resume_from, (run.attempts or 0) + 1
+        if spec.checkpoint.storage is None:  # each project's checkpoints under its own root (service.security.paths)
+            own = project_checkpoint_root(settings, run.project)
+            spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"storage": own})})
     name = train_run_name(run_id, submission)
     life = RunLifecycle(
         factory,

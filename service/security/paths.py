@@ -10,6 +10,12 @@ protocols outside ``settings.allowed_url_schemes``. With ``restricted`` (auth on
 a local path must also resolve under ``data_dir``, ``checkpoint_root`` or ``settings.allowed_path_roots``, outside
 the service's own files there (the database, the Ray head's directory with its token, hidden entries); the caller
 then gets the normalised absolute path back, so what runs is exactly what was checked.
+
+Never readable through a spec, whoever calls (``_secret``): ``<data_dir>/secrets`` and ``credentials_dir`` (the
+database URL file the Ray Job drivers read), the database file, the Ray head's directory (its token). Checkpoints:
+each project's runs write under ``<checkpoint_root>/projects/<project>`` (``project_checkpoint_root``); a caller
+other than an admin may name no other part of ``checkpoint_root`` (another project's weights). Refusals name the
+path as the caller wrote it and the rule, never what the file holds or how large it is.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ LOCAL_PROTOCOLS = frozenset({"file", "local"})
 # entries of data_dir that belong to the service, never to a spec: the SQLite database (and its -wal/-shm), the Ray
 # head's directory (its auth token), Ray Train's local staging and the sweeps' Tune storage
 RESERVED_IN_DATA_DIR = ("ray", "tmp", "tune")
+SECRET_IN_DATA_DIR = ("secrets", "ray")
+PROJECTS_DIR = "projects"
+_SAFE_PROJECT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 MAX_DECODE_ROUNDS = 4
 
 
@@ -75,18 +84,68 @@ def _reserved(path: str, settings: Settings) -> bool:
     data_dir = os.path.realpath(os.path.expanduser(str(settings.data_dir)))
     if any(part.startswith(".") for part in PurePosixPath(path).parts[1:]):
         return True
-    db = settings.database_url
-    if db.startswith("sqlite") and "///" in db:
-        db_file = os.path.realpath(db.split("///", 1)[1].split("?", 1)[0])
-        if path.startswith(db_file):
-            return True
+    db_file = _db_file(settings)
+    if db_file is not None and path.startswith(db_file):
+        return True
     if _under(path, data_dir) and path != data_dir:
         first = PurePosixPath(path[len(data_dir) :].lstrip("/")).parts[0]
         return first in RESERVED_IN_DATA_DIR or first.startswith("meshrun.db")
     return False
 
 
-def _local(path: str, *, param: str, settings: Settings, restricted: bool) -> str:
+def _real(p: object) -> str:
+    return os.path.realpath(os.path.expanduser(str(p)))
+
+
+def _db_file(settings: Settings) -> str | None:
+    db = settings.database_url
+    if db.startswith("sqlite") and "///" in db:
+        return os.path.realpath(db.split("///", 1)[1].split("?", 1)[0])
+    return None
+
+
+def _secret_locations(settings: Settings) -> list[str]:
+    data_dir = _real(settings.data_dir)
+    out = [os.path.join(data_dir, d) for d in SECRET_IN_DATA_DIR]
+    if settings.credentials_dir is not None:
+        out.append(_real(settings.credentials_dir))
+    if settings.database_url_file is not None:
+        out.append(_real(settings.database_url_file))
+    db_file = _db_file(settings)
+    if db_file is not None:
+        out.append(db_file)
+    return out
+
+
+def _secret(path: str, settings: Settings, *, tree: bool) -> bool:
+    """The service's credentials, database and Ray token (refused to every caller); with ``tree`` (a path read
+    as a whole directory tree) also every directory that holds one of them."""
+    # also its -wal / -shm / -journal; and the default SQLite file, which may be left from before PostgreSQL
+    for db_file in (_db_file(settings), os.path.join(_real(settings.data_dir), "meshrun.db")):
+        if db_file is not None and path.startswith(db_file):
+            return True
+    return any(_under(path, loc) or (tree and _under(loc, path)) for loc in _secret_locations(settings))
+
+
+def project_checkpoint_root(settings: Settings, project: str) -> str:
+    """Where the runs of ``project`` keep their checkpoints when their spec names no ``checkpoint.storage``."""
+    name = project if _SAFE_PROJECT.fullmatch(project) else "x-" + project.encode().hex()[:120]
+    return os.path.join(str(settings.checkpoint_root), PROJECTS_DIR, name)
+
+
+def _other_project(path: str, settings: Settings, project: str, *, tree: bool) -> bool:
+    """A path in ``checkpoint_root`` outside the caller's own project root (another project's checkpoints, or the
+    shared directory of runs from before per-project roots); with ``tree`` also a directory that holds the
+    checkpoint root."""
+    root = _real(settings.checkpoint_root)
+    if tree and _under(root, path):
+        return True
+    return _under(path, root) and not _under(path, _real(project_checkpoint_root(settings, project)))
+
+
+def _local(
+    path: str, *, param: str, settings: Settings, restricted: bool, walled_to: str | None = None, tree: bool = False
+) -> str:
     """Normalise a local path (``~``, relative, symlinks); with ``restricted``, check it against the roots."""
     expanded = os.path.expanduser(path) if path.startswith("~") else path
     if expanded.startswith("~") and restricted:
@@ -94,6 +153,18 @@ def _local(path: str, *, param: str, settings: Settings, restricted: bool) -> st
     if not os.path.isabs(expanded):
         expanded = os.path.join(str(settings.data_dir), expanded)
     resolved = os.path.realpath(expanded)
+    if _secret(resolved, settings, tree=tree):
+        raise _refuse(
+            param,
+            f"'{path}' names the service's own credentials, database or Ray directory, which no spec may read; "
+            "use your data's own directory",
+        )
+    if walled_to is not None and _other_project(resolved, settings, walled_to, tree=tree):
+        raise _refuse(
+            param,
+            f"'{path}' lies in the checkpoint storage outside your project's own directory "
+            f"({project_checkpoint_root(settings, walled_to)}); name a path there, or leave checkpoint.storage unset",
+        )
     if not restricted:
         return resolved
     roots = _roots(settings)
@@ -133,9 +204,13 @@ def _file_url_path(rest: str, *, param: str) -> str:
     return rest
 
 
-def decide_path(value: str, *, param: str, settings: Settings, restricted: bool) -> str:
+def decide_path(
+    value: str, *, param: str, settings: Settings, restricted: bool, walled_to: str | None = None, tree: bool = False
+) -> str:
     """Judge one path or URL named by ``param``. Returns the normalised value (an absolute local path, or the
-    URL as given); raises ``PolicyViolation`` (422 naming ``param``) for anything not allowed."""
+    URL as given); raises ``PolicyViolation`` (422 naming ``param``) for anything not allowed. ``walled_to``: the
+    project of a caller who is not an admin (other projects' checkpoints are refused); ``tree``: the path is read
+    as a whole directory tree (``data.path``), so a directory holding a refused one is refused too."""
     if not value.strip():
         raise _refuse(param, "is empty; give a path or remove the field")
     try:
@@ -160,14 +235,14 @@ def decide_path(value: str, *, param: str, settings: Settings, restricted: bool)
     if len(links) > 1 and proto is None:  # "simplecache::/etc/x": the last link is a bare local path
         proto = "file"
     if proto is None:
-        local = _local(value, param=param, settings=settings, restricted=restricted)
+        local = _local(value, param=param, settings=settings, restricted=restricted, walled_to=walled_to, tree=tree)
         return local if restricted else value
     if proto not in LOCAL_PROTOCOLS:
         return value
     if len(links) > 1 and restricted:
         raise _refuse(param, "chained protocols over local files are not allowed; give a plain path")
     path = unquote(_file_url_path(rest, param=param))
-    local = _local(path, param=param, settings=settings, restricted=restricted)
+    local = _local(path, param=param, settings=settings, restricted=restricted, walled_to=walled_to, tree=tree)
     return local if restricted else value
 
 

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from api.spec import RunSpec
-from service.security.paths import PolicyViolation, decide_path, storage_problem
+from service.security.paths import PolicyViolation, decide_path, project_checkpoint_root, storage_problem
 from service.settings import Settings
 
 __all__ = ["PolicyViolation", "check_code_dir", "check_spec_policy", "resolve_code_dir", "uses_user_code"]
@@ -30,11 +30,14 @@ def uses_user_code(spec: RunSpec) -> str | None:
     return None
 
 
-def check_spec_policy(spec: RunSpec, *, can_run_code: bool, settings: Settings, admin: bool = False) -> RunSpec:
+def check_spec_policy(
+    spec: RunSpec, *, can_run_code: bool, settings: Settings, admin: bool = False, project: str | None = None
+) -> RunSpec:
     """Refuse what the caller may not submit (user code without permission; injected faults without admin rights
     or ``MESHRUN_ALLOW_FAULTS``; paths out of bounds). Returns the spec to store: for a caller held to the storage
     roots, its paths replaced by the normalised absolute paths that were checked (so the workers open exactly
-    those)."""
+    those). ``project``: the caller's project; a caller other than an admin may then name no checkpoint directory
+    of another project, and the checkpoint storage checked by default is the project's own root."""
     if spec.faults is not None and not (admin or settings.allow_faults):
         raise PolicyViolation(
             403,
@@ -55,14 +58,19 @@ def check_spec_policy(spec: RunSpec, *, can_run_code: bool, settings: Settings, 
     # tokens that may run code can read any file their code could; code.working_dir is read by the service itself
     # (from its own filesystem), so it stays under the roots for every caller when auth is on
     restricted = settings.auth_enabled and not can_run_code
+    walled = None if admin else project
     code_dir = spec.code.working_dir if spec.code is not None else None
     data_path = spec.data.path
     storage = spec.checkpoint.storage
     if data_path is not None:
-        data_path = decide_path(data_path, param="data.path", settings=settings, restricted=restricted)
+        data_path = decide_path(
+            data_path, param="data.path", settings=settings, restricted=restricted, walled_to=walled, tree=True
+        )
     if storage is not None:
-        storage = decide_path(storage, param="checkpoint.storage", settings=settings, restricted=restricted)
-    target = storage or str(settings.checkpoint_root)
+        storage = decide_path(
+            storage, param="checkpoint.storage", settings=settings, restricted=restricted, walled_to=walled
+        )
+    target = storage or (project_checkpoint_root(settings, project) if project else str(settings.checkpoint_root))
     if "://" not in target and not os.path.isabs(os.path.expanduser(target)):
         target = os.path.join(str(settings.data_dir), target)
     unwritable = storage_problem(target)
@@ -74,7 +82,9 @@ def check_spec_policy(spec: RunSpec, *, can_run_code: bool, settings: Settings, 
             "checkpoint.storage",
         )
     if code_dir is not None:
-        decide_path(code_dir, param="code.working_dir", settings=settings, restricted=settings.auth_enabled)
+        decide_path(
+            code_dir, param="code.working_dir", settings=settings, restricted=settings.auth_enabled, walled_to=walled
+        )
         why = check_code_dir(spec, settings)
         if why:
             raise PolicyViolation(422, "invalid_path", why, "code.working_dir")

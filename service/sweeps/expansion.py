@@ -298,7 +298,11 @@ def create_sweep(
     """Validate and expand a sweep, store it QUEUED with its trials. Returns (sweep, created); created=False for
     an idempotent retry. Raises SpecError (422) when nothing can run, PolicyViolation (403/422) like a run."""
     create = create.model_copy(
-        update={"base": check_spec_policy(create.base, can_run_code=can_run_code, settings=settings, admin=admin)}
+        update={
+            "base": check_spec_policy(
+                create.base, can_run_code=can_run_code, settings=settings, admin=admin, project=project
+            )
+        }
     )
     spec_json = create.model_dump(mode="json")
     if idempotency_key:

@@ -90,18 +90,20 @@ def test_sign_in_redirects_only_to_local_paths(make_client):
         assert r.headers["location"] == expected
 
 
-def test_cross_site_unsafe_requests_are_refused(client):
+def test_cross_site_unsafe_requests_are_refused(client, make_client):
     run = client.post("/v1/runs", json=SPEC).json()
     err = _error(client.post(f"/v1/runs/{run['id']}/cancel", headers={"Origin": "https://evil.example"}), 403)
     assert err["code"] == "cross_origin"
     _error(client.post("/v1/runs", json=SPEC, headers={"Origin": "null"}), 403)
     # the same origin (the console's own scripts) and no Origin (programs) pass
     assert client.post(f"/v1/runs/{run['id']}/cancel", headers={"Origin": "http://testserver"}).status_code == 200
-    # behind a reverse proxy that forwards the public host
-    other = client.post("/v1/runs", json=SPEC, headers={"Origin": "https://meshrun.example",
-                                                         "X-Forwarded-Host": "meshrun.example"})
-    assert other.status_code == 201
-    assert client.get("/v1/runs", headers={"Origin": "https://evil.example"}).status_code == 200  # reads are safe
+    # behind a reverse proxy that forwards the public host: only once that host is one of the service's names
+    proxied = {"Origin": "https://meshrun.example", "X-Forwarded-Host": "meshrun.example"}
+    assert _error(client.post("/v1/runs", json=SPEC, headers=proxied), 403)["code"] == "cross_origin"
+    named = make_client(public_url="https://meshrun.example")
+    assert named.post("/v1/runs", json=SPEC, headers=proxied).status_code == 201
+    # with auth off another site's page is not the local user even for reads (tests/api/test_hosts.py)
+    assert _error(client.get("/v1/runs", headers={"Origin": "https://evil.example"}), 403)["code"] == "cross_origin"
 
 
 def test_docs_and_pages_load_only_local_assets(client):

@@ -68,7 +68,8 @@ def test_allowed_paths_are_stored_normalised(secured, tmp_path):
         ("data.path", f"file://{tmp_path}/corpus"): f"{root}/corpus",
         ("data.path", f"file://localhost{tmp_path}/corpus"): f"{root}/corpus",
         ("checkpoint.storage", "ck/mine"): f"{root}/ck/mine",
-        ("checkpoint.storage", f"{tmp_path}/checkpoints/x"): f"{root}/checkpoints/x",
+        # the token's project ("p") checkpoints under its own root (tests/api/test_project_paths.py)
+        ("checkpoint.storage", f"{tmp_path}/checkpoints/projects/p/x"): f"{root}/checkpoints/projects/p/x",
         ("checkpoint.storage", "s3://bucket/ckpts"): "s3://bucket/ckpts",
     }
     for (field, value), stored in cases.items():

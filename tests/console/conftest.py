@@ -84,6 +84,13 @@ def console(browser: Any, shots: Path) -> Iterator[Any]:
         errors: list[str] = []
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.js_errors = errors
+        # the service's Content-Security-Policy must not block anything the console's own pages do
+        page.on("console", lambda m: "Content Security Policy" in m.text and violations.append((page.url, m.text)))
+        # a string predicate is eval'd in the page (which the CSP forbids): hand it over as a function instead
+        wait = page.wait_for_function
+        page.wait_for_function = lambda expr, **kw: wait(
+            expr if expr.lstrip().startswith(("()", "function")) else f"() => ({expr})", **kw
+        )
 
         def shot(name: str, *, full_page: bool = True) -> Path:
             path = shots / f"{name}.png"
@@ -94,9 +101,11 @@ def console(browser: Any, shots: Path) -> Iterator[Any]:
         page.set_default_timeout(60_000)
         return page, reqs
 
+    violations: list[tuple[str, str]] = []
     yield open_console
     for ctx in contexts:
         ctx.close()
+    assert violations == [], violations
 
 
 # ------------------------------------------------------------------------------- a service without Ray

@@ -17,6 +17,7 @@ from fastapi.staticfiles import StaticFiles
 
 from service.app.console import forms, pages, ray_proxy
 from service.app.console.web import HERE
+from service.app.middleware import content_security_policy, inline_script_hashes
 
 STATIC = "/static"
 FAVICON = f"{STATIC}/console/favicon.svg"
@@ -31,25 +32,37 @@ def install_console(app: FastAPI) -> None:
 
     @app.get("/docs", include_in_schema=False)
     def swagger_ui() -> HTMLResponse:
-        return get_swagger_ui_html(
-            openapi_url=app.openapi_url or "/openapi.json",
-            title=f"{app.title} API",
-            swagger_js_url=f"{STATIC}/vendor/swagger-ui/swagger-ui-bundle.js",
-            swagger_css_url=f"{STATIC}/vendor/swagger-ui/swagger-ui.css",
-            swagger_favicon_url=FAVICON,
-            swagger_ui_parameters={"validatorUrl": None, "persistAuthorization": False},
+        return _own_csp(
+            get_swagger_ui_html(
+                openapi_url=app.openapi_url or "/openapi.json",
+                title=f"{app.title} API",
+                swagger_js_url=f"{STATIC}/vendor/swagger-ui/swagger-ui-bundle.js",
+                swagger_css_url=f"{STATIC}/vendor/swagger-ui/swagger-ui.css",
+                swagger_favicon_url=FAVICON,
+                swagger_ui_parameters={"validatorUrl": None, "persistAuthorization": False},
+            )
         )
 
     @app.get("/redoc", include_in_schema=False)
     def redoc() -> HTMLResponse:
-        return get_redoc_html(
-            openapi_url=app.openapi_url or "/openapi.json",
-            title=f"{app.title} API",
-            redoc_js_url=f"{STATIC}/vendor/redoc/redoc.standalone.js",
-            redoc_favicon_url=FAVICON,
-            with_google_fonts=False,
+        return _own_csp(
+            get_redoc_html(
+                openapi_url=app.openapi_url or "/openapi.json",
+                title=f"{app.title} API",
+                redoc_js_url=f"{STATIC}/vendor/redoc/redoc.standalone.js",
+                redoc_favicon_url=FAVICON,
+                with_google_fonts=False,
+            )
         )
 
     @app.get("/favicon.ico", include_in_schema=False)
     def favicon() -> Response:
         return RedirectResponse(FAVICON, status_code=308)
+
+
+def _own_csp(resp: HTMLResponse) -> HTMLResponse:
+    """The API docs pages: FastAPI's HTML has one inline script (allowed by its hash) and the renderers inject
+    their own ``<style>`` elements."""
+    html = bytes(resp.body).decode()
+    resp.headers["Content-Security-Policy"] = content_security_policy(inline_script_hashes(html), inline_styles=True)
+    return resp

@@ -8,6 +8,7 @@ is never put in a cookie, a URL or a log.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -42,6 +43,9 @@ PLAN_DEFAULTS = {
     "peak_tflops": "",
     "memory_gib": "",
 }
+
+
+MAX_CLUSTER_VALUE = 1e24  # bytes or FLOP/s per device: far beyond any device, far inside an int64 and a float
 
 
 async def read_form(request: Request) -> dict[str, str]:
@@ -83,7 +87,10 @@ def plan_request(form: dict[str, str]) -> dict[str, Any]:
         except ValueError:
             continue
         if value == value and value > 0:  # not NaN
-            body["cluster"][field] = int(value * scale) if field == "memory_bytes" else value * scale
+            scaled = value * scale
+            if not math.isfinite(scaled) or scaled > MAX_CLUSTER_VALUE:
+                raise ValueError(f"{key}: {form.get(key, '').strip()[:40]} is out of range; give a realistic number")
+            body["cluster"][field] = int(scaled) if field == "memory_bytes" else scaled
     return body
 
 
@@ -127,7 +134,11 @@ async def plan_results(request: Request) -> Response:
     if principal is None:
         return sign_in_redirect(request)
     form = await read_form(request)
-    body = plan_request(form)
+    try:
+        body = plan_request(form)
+    except ValueError as e:  # a number no device has (1e308 GiB): 422, the fragment says which
+        ctx0: dict[str, Any] = {"principal": principal, "form": form, "request_body": {}, "error": str(e)}
+        return templates.TemplateResponse(request, "_plan_results.html", ctx0, status_code=422)
     ctx: dict[str, Any] = {"principal": principal, "form": form, "request_body": body}
     try:
         req, resp = await run_in_threadpool(_plan, request, body)

@@ -20,7 +20,7 @@ from fastapi.templating import Jinja2Templates
 from jinja2 import is_undefined
 
 from api.sdk._specs import layout_str
-from service.app.deps import LOCAL_PRINCIPAL, Principal, principal_from_cookie, principal_from_secret
+from service.app.deps import Principal, local_principal, principal_from_cookie, principal_from_secret
 from service.app.errors import ApiError
 from service.app.links import ray_job_link, ray_proxy_allowed, service_base_url
 from service.meta import VERSION
@@ -142,8 +142,8 @@ def console_principal(request: Request) -> Principal | None:
     (sign in first)."""
     settings = request.app.state.settings
     if not settings.auth_enabled:
-        request.state.principal = LOCAL_PRINCIPAL
-        return LOCAL_PRINCIPAL
+        request.state.principal = local = local_principal(request)
+        return local
     principal = getattr(request.state, "principal", None)
     if principal is not None:
         return principal

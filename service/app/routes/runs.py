@@ -56,7 +56,11 @@ MAX_EVENTS_PAGE = 1_000
 MAX_LOG_CHARS = 1 << 20
 Cursor = Annotated[
     str | None,
-    Query(max_length=512, description="The ``next_cursor`` of the previous page (opaque); omit for the first page."),
+    Query(
+        max_length=512,
+        pattern=r"^[A-Za-z0-9_-]*$",
+        description="The ``next_cursor`` of the previous page (opaque); omit for the first page.",
+    ),
 ]
 MAX_BODY_NODES = MAX_YAML_NODES  # values in one request body (JSON or YAML)
 MAX_BODY_DEPTH = MAX_YAML_DEPTH
@@ -513,6 +517,7 @@ def get_logs(
     """One page of the run's output from the start (or its tail); ``next_cursor`` continues after it, also to
     follow new output of a running run."""
     store.get_run(session, run_id=run_id, project=principal.scope)
+    after = decode_cursor(cursor, "logs", int)[0] if cursor else None  # a bad cursor is a 422 before anything else
     if runtime is None:
         raise ApiError(
             503,
@@ -522,9 +527,8 @@ def get_logs(
         )
     text = runtime.run_logs(run_id) or ""
     n = len(text)
-    if cursor:
-        (start,) = decode_cursor(cursor, "logs", int)
-        start = min(max(0, start), n)
+    if after is not None:
+        start = min(after, n)
     else:
         start = max(0, n - limit) if tail else 0
     end = min(n, start + limit)

@@ -6,6 +6,12 @@
   var charts = (window.meshrunCharts = {});
   var builders = {};
   var ACTIVE = ["QUEUED", "STARTING", "RUNNING"];
+  // the CSP allows no injected <style> elements: console.css styles htmx's indicators itself
+  if (window.htmx) window.htmx.config.includeIndicatorStyles = false;
+  // a form fragment answered 422 (input out of range) says what to fix: show it like any other answer
+  document.addEventListener("htmx:beforeSwap", function (e) {
+    if (e.detail.xhr && e.detail.xhr.status === 422) { e.detail.shouldSwap = true; e.detail.isError = false; }
+  });
 
   // ------------------------------------------------------------------------------------------ helpers
   function css(name) { return getComputedStyle(document.documentElement).getPropertyValue(name).trim(); }
