@@ -45,6 +45,7 @@ from api.sdk import (
     parse_layout,
 )
 from api.sdk._specs import apply_overrides
+from api.spec.units import format_bytes
 
 
 def _peak_from_metrics(run: Any) -> int | None:
@@ -351,7 +352,7 @@ def checkpoints(
     for col in ("attempt", "step", "size", "path", "created"):
         t.add_column(col)
     for ck in items:
-        size = "-" if ck.size_bytes is None else f"{ck.size_bytes / 2**20:.1f} MiB"
+        size = format_bytes(ck.size_bytes)
         t.add_row(str(ck.attempt), str(ck.step), size, ck.path, _ts(ck.created_at))
     out().print(t)
 

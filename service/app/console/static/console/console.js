@@ -47,11 +47,14 @@
       return a >= 1e9 ? (v / 1e9).toPrecision(3) + "G" : a >= 1e6 ? (v / 1e6).toPrecision(3) + "M" : a >= 1e3 ? (v / 1e3).toPrecision(3) + "k" : v.toPrecision(3);
     },
     pct: function (v) { return v == null ? "–" : (100 * v).toFixed(1) + "%"; },
+    /* the one size format, as api/spec/units.py format_bytes: binary units, 3 significant digits */
     bytes: function (v) {
       if (v == null) return "–";
       var u = ["B", "KiB", "MiB", "GiB", "TiB"], i = 0;
       while (Math.abs(v) >= 1024 && i < u.length - 1) { v /= 1024; i++; }
-      return (i ? v.toPrecision(3) : v) + " " + u[i];
+      if (!i) return Math.trunc(v) + " B";
+      var a = Math.abs(v);
+      return v.toFixed(a >= 100 ? 0 : a >= 10 ? 1 : 2) + " " + u[i];
     },
     seconds: function (v) { return v == null ? "–" : v < 1 ? (v * 1000).toPrecision(3) + " ms" : v.toPrecision(3) + " s"; },
   };
