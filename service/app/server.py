@@ -26,7 +26,7 @@ from service.app.errors import ApiError, SafeJSONResponse, error_response, error
 from service.app.observability import configure_logging, instrument_app
 from service.app.overload import OverloadGate
 from service.app.ratelimit import RateLimiter
-from service.app.routes import cluster, goodput, health, observe, plans, runs, sweeps
+from service.app.routes import cluster, goodput, health, observe, plans, runs, sweeps, validate
 from service.control import service_record
 from service.control.runtime import Runtime
 from service.meta import VERSION
@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 
 PROTECTED_ROUTERS: tuple[APIRouter, ...] = (
+    validate.router,  # POST /v1/runs/validate
     runs.router,
     goodput.router,
     observe.router,
