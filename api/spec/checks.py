@@ -1,5 +1,5 @@
 """``POST /v1/runs/validate``: what the service checked of a run spec without storing it (``RunValidation``), the
-same checks as ``POST /v1/runs`` runs before it stores a run; ``meshrun validate --cluster live`` prints it."""
+same checks as ``POST /v1/runs`` runs before it stores a run; ``meshrun validate FILE --cluster live`` prints it."""
 
 from __future__ import annotations
 

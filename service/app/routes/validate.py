@@ -1,4 +1,4 @@
-"""``POST /v1/runs/validate``: a submission's checks without the submission (``meshrun validate --cluster live``).
+"""``POST /v1/runs/validate``: a submission's checks without the submission (``meshrun validate FILE --cluster live``).
 
 The body is a run spec, parsed as ``POST /v1/runs`` parses it; the answer is the same 4xx error a submission would
 get (the field and the fix: the spec, the project's policy, the planner's memory check on the service's cluster,
