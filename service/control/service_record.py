@@ -69,7 +69,7 @@ def record_path(data_dir: Path) -> Path:
 
 def write(data_dir: Path, *, url: str, host: str, port: int, runtime: Any) -> ServiceRecord:
     """Record this process as the service of ``data_dir`` (``runtime``: its ``Runtime``, or None)."""
-    cluster = getattr(runtime, "ray_cluster", None)
+    cluster: Any = getattr(runtime, "ray_cluster", None)
     owned = bool(cluster is not None and cluster.owned)
     rec = ServiceRecord(
         pid=os.getpid(),
