@@ -17,6 +17,29 @@ from tests.ray.helpers import ray_job, submit, tiny_spec, wait_for
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 BAD = re.compile(r"\bERROR\b|Traceback|preemption notice|\x1b\[")
+RAY_TRANSIENT = "it's safe to ignore this error"  # Ray Train's own warning on a loaded machine (see below)
+
+
+def without_ray_transient_warnings(lines: list[str]) -> list[str]:
+    """Drop Ray Train's "Failed to send resource request ... safe to ignore" warning and its traceback (its
+    TrainController's 5 s call to Ray's autoscaling coordinator, on a loaded 2-core machine: Ray's code and
+    Ray's words, not meshrun's); every other line stays."""
+    out: list[str] = []
+    skipping: str | None = None
+    for line in lines:
+        if RAY_TRANSIENT in line:
+            # "(TrainController pid=N)" in the driver's log; nothing in the controller's own log file
+            skipping = line.split(")", 1)[0] + ")" if line.startswith("(") else ""
+            continue
+        if skipping is not None and line.startswith(skipping):  # its traceback, up to the exception line
+            if "GetTimeoutError" in line:
+                skipping = None
+            continue
+        skipping = None
+        out.append(line)
+    return out
+
+
 LAYOUTS = {
     "dp2": {"dp": 2},
     "tp2": {"tp": 2},
@@ -38,7 +61,7 @@ def test_a_successful_run_logs_no_error_traceback_or_preemption(live_service, ra
     time.sleep(8)
     driver = httpx.get(f"{url}/v1/runs/{run['id']}/logs", timeout=30).json()["logs"]
     assert run["id"] in driver
-    lines = driver.splitlines()
+    lines = without_ray_transient_warnings(driver.splitlines())
     bad = [i for i, line in enumerate(lines) if BAD.search(line)]
     assert not bad, "\n".join(lines[max(0, bad[0] - 5) : bad[0] + 40])
 
@@ -46,5 +69,10 @@ def test_a_successful_run_logs_no_error_traceback_or_preemption(live_service, ra
     logs_dir = Path(ray_cluster.head.temp_dir) / "session_latest" / "logs"
     files = {p.name: p.read_text(errors="replace") for p in logs_dir.glob(f"worker-*-{job.job_id}-*.*")}
     assert files, f"no worker logs of job {job.job_id} under {logs_dir}"
-    bad = [f"{name}: {line}" for name, text in files.items() for line in text.splitlines() if BAD.search(line)]
+    bad = [
+        f"{name}: {line}"
+        for name, text in files.items()
+        for line in without_ray_transient_warnings(text.splitlines())
+        if BAD.search(line)
+    ]
     assert not bad, "\n".join(bad[:20])
