@@ -69,7 +69,8 @@ def test_live_refuses_what_submit_refuses_with_the_breakdown_once(ray_service_ur
     r = runner.invoke(app, ["--url", ray_service_url, "validate", str(big), "--cluster", "live"])
     assert r.exit_code == 4, r.output
     refused = r.stderr
-    assert "layout predicted not to fit in device memory" in refused and "best feasible alternative" in refused
+    assert "layout predicted not to fit in device memory: out of memory" in refused
+    assert "best feasible alternative" in refused or "no feasible layout found" in refused, refused
     assert refused.count("params ") == 1 and refused.count("optimizer ") == 1, refused  # the breakdown once
     r = runner.invoke(app, ["--url", ray_service_url, "submit", str(big)])
     assert r.exit_code == 4 and r.stderr == refused, (r.stderr, refused)  # submit says the very same
