@@ -10,6 +10,9 @@ node drain sends) makes the run checkpoint at its next report boundary and stop 
   so the resumed run recomputes no step. The summary says ``preempted`` and which ranks got the notice.
 - The watchdog ends the process ``grace_s`` seconds after the notice (``MESHRUN_PREEMPTION_GRACE_S``, default 30)
   if it has not finished by then: a rank stuck in a collective must not hold a node that is going away.
+- ``finish()``: the training loop is over (done or failed). A SIGTERM from then on is the worker's normal shutdown
+  (Ray ending the worker group after the run), not a notice: it goes to the handler that was there before
+  ``install()`` (Ray's, which exits the worker), with no "preemption notice" and no watchdog.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import signal
 import threading
 import time
 from types import FrameType
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +51,8 @@ class PreemptionNotice:
         self._exit = exit_fn
         self._watchdog: threading.Timer | None = None
         self._lock = threading.Lock()
+        self.finished = False  # the loop is over: SIGTERM is a normal shutdown (``finish``)
+        self.previous_handler: Any = None  # SIGTERM's handler before ``install``
 
     @property
     def requested(self) -> bool:
@@ -67,8 +73,25 @@ class PreemptionNotice:
                 self._watchdog.start()
         log.warning("preemption notice (%s): checkpointing at the next report, %.0f s grace", cause, self.grace_s)
 
-    def handler(self, signum: int, _frame: FrameType | None) -> None:
+    def handler(self, signum: int, frame: FrameType | None) -> None:
+        if self.finished:
+            self._pass_on(signum, frame)
+            return
         self.trigger(signal.Signals(signum).name)
+
+    def _pass_on(self, signum: int, frame: FrameType | None) -> None:
+        """The signal's meaning before ``install`` (Ray's handler exits the worker; the default ends the process)."""
+        previous = self.previous_handler
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    def finish(self) -> None:
+        """The training loop is over: no forced exit, and a later SIGTERM is no preemption notice."""
+        self.disarm()
+        self.finished = True
 
     def disarm(self) -> None:
         """The process finished its work in time: no forced exit."""
@@ -79,7 +102,7 @@ class PreemptionNotice:
 
     def reset(self) -> None:
         self.disarm()
-        self.received_at, self.cause = None, None
+        self.received_at, self.cause, self.finished = None, None, False
 
     def _expire(self) -> None:
         log.error("preemption grace period of %.0f s is over; exiting", self.grace_s)
@@ -94,7 +117,9 @@ def install(notice: PreemptionNotice = NOTICE) -> bool:
     if threading.current_thread() is not threading.main_thread():
         return False
     notice.grace_s = grace_s_from_env()
-    signal.signal(signal.SIGTERM, notice.handler)
+    previous = signal.signal(signal.SIGTERM, notice.handler)
+    if previous != notice.handler:  # installed again (a later attempt in the same process): keep the original
+        notice.previous_handler = previous
     return True
 
 

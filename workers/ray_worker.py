@@ -261,6 +261,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             )
             summary = train_fn(job, sink=sink, on_checkpoint=on_checkpoint, **_accepted(train_fn, hooks))
     finally:
+        NOTICE.finish()  # the loop is over: a SIGTERM now is the worker group's shutdown, not a preemption notice
         if rank == 0:
             flush()  # also the rows before a failure
         shutil.rmtree(ckpt_dir, ignore_errors=True)
@@ -269,7 +270,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     if rank == 0:
         summary = {k: v for k, v in (summary or {}).items() if k != "losses"}
         ray.get(channel.done.remote(summary), timeout=60)
-    NOTICE.disarm()  # finished in time
 
 
 def _install_preemption_handler(rank: int) -> None:

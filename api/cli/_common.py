@@ -138,10 +138,10 @@ def emit_json(data: Any) -> None:
 
 
 def _fail(message: str, code: int, *, param: str | None = None) -> None:
-    c = err()
-    c.print(f"[bold red]error:[/] [red]{_escape(message)}[/]")
+    c = err()  # soft wrap: one line per message (the terminal wraps it; paths and URLs in it stay whole)
+    c.print(f"[bold red]error:[/] [red]{_escape(message)}[/]", soft_wrap=True)
     if param:
-        c.print(f"[red]  field: {_escape(param)}[/]")
+        c.print(f"[red]  field: {_escape(param)}[/]", soft_wrap=True)
     raise typer.Exit(code)
 
 

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from api.cli._common import _escape, _gib, _state, app, command, emit_json, out
+from api.spec.units import format_bytes
 
 BAR_WIDTH = 30
 
@@ -123,8 +124,8 @@ def artifact(
             t.add_column(col)
         for a in items:
             rank = "-" if a.rank is None else str(a.rank)
-            t.add_row(str(a.attempt), rank, a.kind, f"{a.size_bytes / 1024:.0f} KiB", a.name)
+            t.add_row(str(a.attempt), rank, a.kind, format_bytes(a.size_bytes), a.name)
         out().print(t)
         return
     path = runs.download_artifact(run_id, name, output or Path.cwd(), attempt=attempt)
-    out().print(f"wrote {path}")
+    out().print(f"wrote {path} ({format_bytes(path.stat().st_size)})")

@@ -174,20 +174,39 @@ def plan(
 
 
 # ------------------------------------------------------------------------------------------ local tools
+OFFLINE_NOT_CHECKED = (
+    "memory fit on the cluster's devices (the planner with the service's cluster)",
+    "the cluster's capacity (enough nodes, CPUs and GPUs)",
+    "the service's policy (project permissions, paths, user code)",
+)
+
+
 @command(app, "validate")
 def validate(
+    ctx: typer.Context,
     file: Path = typer.Argument(..., help="Run spec (YAML/JSON)."),
     set_: list[str] = typer.Option([], "--set", help="Override a field: key=value."),
+    cluster: Optional[str] = typer.Option(
+        None,
+        "--cluster",
+        help='"live": also run every check of a submission on the service (--url): memory fit on its cluster, '
+        "capacity, policy. Without it: the spec alone, offline.",
+    ),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Check a run spec locally (no service needed) and print the resolved plan."""
+    """Check a run spec and print the resolved plan: offline (the spec alone, no service needed), or with
+    --cluster live the same checks as `meshrun submit` on the service, nothing submitted."""
     import pydantic
 
+    from api.sdk._base import tolerant_validate
     from api.spec import RunSpec
+    from api.spec.checks import RunValidation
     from api.spec.messages import describe_errors
     from api.spec.validation import SpecError, build_plan
     from api.spec.yamlio import parse_run_spec
 
+    if cluster not in (None, "live"):
+        _fail(f'--cluster {cluster!r}: give "live" (the service\'s cluster), or omit it to check offline', EXIT_USAGE)
     body = _usage(lambda: apply_overrides(_load_or_usage(file), set_))
     try:
         # the server's parse of a JSON body (what `meshrun submit` sends): valid here means accepted there
@@ -202,15 +221,28 @@ def validate(
         p = build_plan(spec)
     except SpecError as e:
         for issue in e.issues[1:]:
-            err().print(f"[red]error: {_escape(issue.message)}  (field: {issue.param})[/]")
+            err().print(f"[red]error: {_escape(issue.message)}  (field: {issue.param})[/]", soft_wrap=True)
         _fail(e.issues[0].message, EXIT_INVALID, param=e.issues[0].param)
+    not_checked = list(OFFLINE_NOT_CHECKED)
+    where = "offline"
+    if cluster == "live":
+        client = _state(ctx).client()
+        # the submission's own checks on the service (its 422 -> exit 4 with the field and the fix)
+        res = tolerant_validate(RunValidation, client.request("POST", "/v1/runs/validate", json=body))
+        p, not_checked, where = res.plan, res.not_checked, f"on {client.base_url}"
     if as_json:
         emit_json(p)
         return
+    pred = p.predicted
+    fits = f", predicted {_gib(pred.memory_bytes.total)} GiB/rank" if pred is not None else ""
     out().print(
-        f"[green]valid[/] {spec.name}: {layout_str(spec.layout)}  world {p.world_size}, "
+        f"[green]valid[/] ({where}) {spec.name}: {layout_str(spec.layout)}  world {p.world_size}, "
         f"{p.model.n_params:,} params, {p.microbatches_per_step} micro-batches/step, "
-        f"{p.tokens_per_step:,} tokens/step"
+        f"{p.tokens_per_step:,} tokens/step{fits}",
+        soft_wrap=True,
     )
     for w in p.warnings:
-        err().print(f"[yellow]warning:[/] {_escape(w)}")
+        err().print(f"[yellow]warning:[/] {_escape(w)}", soft_wrap=True)
+    if not_checked:
+        hint = "; meshrun validate FILE --cluster live runs them on the service" if cluster is None else ""
+        err().print(f"[yellow]not checked:[/] {_escape('; '.join(not_checked))}{hint}", soft_wrap=True)

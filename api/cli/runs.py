@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from pathlib import Path
@@ -44,6 +45,7 @@ from api.sdk import (
     parse_layout,
 )
 from api.sdk._specs import apply_overrides
+from api.spec.units import format_bytes
 
 
 def _peak_from_metrics(run: Any) -> int | None:
@@ -55,39 +57,44 @@ def _peak_from_metrics(run: Any) -> int | None:
     return max(peaks) if peaks else None
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colour and cursor sequences
+
+
 def console_link(client: Any, run_id: str) -> str:
     """The run's page in the web console of the service this client talks to."""
     return f"{client.base_url}/runs/{run_id}"
 
 
 def print_summary(run: Any, console: Console | None = None) -> None:
-    """The end-of-run summary: status, steps, final loss, tokens/s, MFU, peak memory, console and dashboard URLs."""
+    """The end-of-run summary: status, steps, final loss, tokens/s, MFU, peak memory, console and dashboard URLs.
+
+    Aligned ``label  value`` lines, each printed whole (soft wrap; no table that would cut a link with "…" at 80
+    columns or in a pipe)."""
     c = console or out()
     s = run.summary
-    t = Table(show_header=False, box=None, pad_edge=False)
-    t.add_column(style="bold")
-    t.add_column()
-    t.add_row("run", f"{run.id} ({run.name})")
-    t.add_row("status", _status(run.status) + (f"  {_escape(run.status_reason)}" if run.status_reason else ""))
-    t.add_row("layout", layout_str(run.spec.layout) + (f"  world {run.plan.world_size}" if run.plan else ""))
+    rows: list[tuple[str, str]] = [("run", _escape(f"{run.id} ({run.name})"))]
+    rows.append(("status", _status(run.status) + (f"  {_escape(run.status_reason)}" if run.status_reason else "")))
+    rows.append(("layout", layout_str(run.spec.layout) + (f"  world {run.plan.world_size}" if run.plan else "")))
     if s is not None:
-        t.add_row("steps", f"{s.steps_done}/{run.spec.train.steps}")
-        t.add_row("final loss", _num(s.final_loss))
-        t.add_row("tokens/s (mean of all steps)", _rate(s.mean_tokens_per_s))
-        t.add_row("MFU", _pct(s.mean_mfu))
+        rows.append(("steps", f"{s.steps_done}/{run.spec.train.steps}"))
+        rows.append(("final loss", _num(s.final_loss)))
+        rows.append(("tokens/s (mean of all steps)", _rate(s.mean_tokens_per_s)))
+        rows.append(("MFU", _pct(s.mean_mfu)))
         if s.peak_memory_bytes_per_rank:
             peak = max(s.peak_memory_bytes_per_rank.values())
-            t.add_row("peak memory", f"{_gib(peak)} GiB (max over {len(s.peak_memory_bytes_per_rank)} ranks)")
+            rows.append(("peak memory", f"{_gib(peak)} GiB (max over {len(s.peak_memory_bytes_per_rank)} ranks)"))
         elif (peak := _peak_from_metrics(run)) is not None:
-            t.add_row("peak memory", f"{_gib(peak)} GiB (max over ranks)")
+            rows.append(("peak memory", f"{_gib(peak)} GiB (max over ranks)"))
         if s.wall_time_s is not None:
-            t.add_row("wall time", f"{s.wall_time_s:.1f} s")
+            rows.append(("wall time", f"{s.wall_time_s:.1f} s"))
     client = getattr(run, "_client", None)
     if client is not None and getattr(client, "base_url", None):
-        t.add_row("console", console_link(client, run.id))
+        rows.append(("console", _escape(console_link(client, run.id))))
     if run.dashboard_url:
-        t.add_row("ray job", run.dashboard_url)
-    c.print(t)
+        rows.append(("ray job", _escape(run.dashboard_url)))
+    width = max(len(label) for label, _ in rows)
+    for label, value in rows:
+        c.print(f"[bold]{label.ljust(width)}[/]  {value}", soft_wrap=True)
 
 
 def _exit_for_run(run: Any) -> int:
@@ -147,7 +154,7 @@ def submit(
         return
     if not as_json:
         err().print(f"submitted [bold]{run.id}[/] ({run.name}) {layout_str(run.spec.layout)}")
-        err().print(f"console: {console_link(client, run.id)}")
+        err().print(f"console: {console_link(client, run.id)}", soft_wrap=True)
     try:
         run = client.runs.wait(run.id, progress=err() if (progress and not as_json) else False, timeout=timeout)
     except KeyboardInterrupt:
@@ -201,7 +208,7 @@ def runs(
         )
     out().print(t)
     if page.next_cursor:
-        err().print(f"more: meshrun runs --limit {limit} --cursor {page.next_cursor}")
+        err().print(f"more: meshrun runs --limit {limit} --cursor {page.next_cursor}", soft_wrap=True)
 
 
 @command(app, "show")
@@ -345,7 +352,7 @@ def checkpoints(
     for col in ("attempt", "step", "size", "path", "created"):
         t.add_column(col)
     for ck in items:
-        size = "-" if ck.size_bytes is None else f"{ck.size_bytes / 2**20:.1f} MiB"
+        size = format_bytes(ck.size_bytes)
         t.add_row(str(ck.attempt), str(ck.step), size, ck.path, _ts(ck.created_at))
     out().print(t)
 
@@ -364,13 +371,14 @@ def logs(
         emit_json({"run_id": run_id, "logs": client.runs.logs(run_id)})
         return
     cursor: str | None = None
+    plain = not sys.stdout.isatty()  # a pipe or a file gets no colour codes (Ray colours its log prefixes)
 
     def drain() -> None:
         # every page from the cursor on (the output written so far), then remember where it ended
         nonlocal cursor
         while True:
             page = client.runs.logs_page(run_id, cursor=cursor)
-            sys.stdout.write(page.logs)
+            sys.stdout.write(_ANSI.sub("", page.logs) if plain else page.logs)
             sys.stdout.flush()
             cursor = page.next_cursor or cursor
             if not page.has_more or not page.logs:

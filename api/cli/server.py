@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,6 +23,7 @@ from api.cli._common import (
     DEMO_SPEC,
     DEMO_SPEC_FILE,
     EXIT_INVALID,
+    EXIT_UNAVAILABLE,
     REPO_EXAMPLES,
     _escape,
     _fail,
@@ -69,7 +71,7 @@ def serve(
         overrides["start_scheduler"] = False
     settings = Settings(**overrides)
     url = console_url(settings)
-    err().print(f"meshrun console: [bold]{url}/[/]  (API docs {url}/docs)")
+    err().print(f"meshrun console: [bold]{url}/[/]  (API docs {url}/docs)", soft_wrap=True)
     _serve(settings)
 
 
@@ -132,15 +134,26 @@ def demo(
 
     Starts the service on embedded defaults (SQLite + a local Ray head) as a subprocess, submits
     examples/demo.yaml (dp2 x tp2), shows live progress, prints the summary (final loss, tokens/s, MFU, peak
-    memory) and the Ray dashboard URL, then stops it (or --keep-serving). With --url, uses that running service.
+    memory), then stops it (or --keep-serving). With --url, or when `meshrun serve` already serves the data
+    directory, uses that running service (and leaves it running).
     """
     st = _state(ctx)
     body = _usage(lambda: apply_overrides(_demo_spec(spec), set_))
     console = err()
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
+    reused = st.url_given
     if st.url_given:
         client = st.client()
+    elif (running := _serving(data_dir)) is not None:
+        # ``meshrun serve`` already serves this data directory (it owns its Ray head): run the demo on it
+        client = Client(running.record.url, st.token, timeout=st.timeout_s)
+        reused = True
+        console.print(
+            f"meshrun is already serving this data directory at {running.record.url}/ (pid {running.record.pid}): "
+            "the demo runs on it, and it keeps serving afterwards",
+            soft_wrap=True,
+        )
     else:
         port = port or _free_port()
         env = dict(os.environ)
@@ -152,7 +165,7 @@ def demo(
             # on a 2-core laptop (the models are small enough to share cores)
             env["MESHRUN_RAY_NUM_CPUS"] = str(max(os.cpu_count() or 1, DEMO_RAY_CPUS))
         log_path = Path(tempfile.mkstemp(prefix="meshrun-demo-", suffix=".log")[1])
-        console.print(f"starting meshrun on http://127.0.0.1:{port} (service log: {log_path}) ...")
+        console.print(f"starting meshrun on http://127.0.0.1:{port} (service log: {log_path}) ...", soft_wrap=True)
         with open(log_path, "wb") as logf:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "api.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
@@ -166,45 +179,91 @@ def demo(
         with console.status("waiting for the service (starting Ray) ..."):
             try:
                 _wait_healthy(client, proc, startup_timeout)
-            except APIConnectionError:
-                if log_path is not None:
-                    tail = log_path.read_text(errors="replace").splitlines()[-30:]
-                    console.print("[red]" + _escape("\n".join(tail)) + "[/]")
-                raise
+            except APIConnectionError as e:
+                if log_path is None:
+                    raise
+                # one line: why the demo's service did not start (its log has the rest)
+                raise APIConnectionError(
+                    f"the demo's service did not start: {_start_failure(log_path) or e.message} (log: {log_path})"
+                ) from None
         run = client.runs.create(body)
         console.print(
             f"submitted [bold]{run.id}[/] ({run.name}): {layout_str(run.spec.layout)}, {run.spec.train.steps} steps"
         )
-        if run.dashboard_url is None:
+        dash = run.dashboard_url
+        if dash is None:
             try:
                 dash = client.cluster.get().dashboard_url
             except MeshrunError:
                 dash = None
-        else:
-            dash = run.dashboard_url
+        lasts = "" if reused or keep_serving else " (live while the demo runs)"
         if dash:
-            console.print(f"Ray dashboard: {dash}")
+            console.print(f"Ray dashboard{lasts}: {dash}", soft_wrap=True)
         run = client.runs.wait(run.id, progress=console)
         print_summary(run)
-        if not run.dashboard_url:
-            try:
-                dash = client.cluster.get().dashboard_url or dash
-            except MeshrunError:
-                pass
+        if reused or keep_serving:
+            if not run.dashboard_url:
+                try:
+                    dash = client.cluster.get().dashboard_url or dash
+                except MeshrunError:
+                    pass
             if dash:
                 out().print(f"[bold]Ray dashboard[/]  {dash}")
         code = _exit_for_run(run)
         if keep_serving and proc is not None:
-            console.print(f"meshrun is serving at {client.base_url}; Ctrl-C to stop")
+            console.print(f"meshrun is serving at {client.base_url}; Ctrl-C to stop", soft_wrap=True)
             try:
                 proc.wait()
             except KeyboardInterrupt:
                 pass
+        elif proc is not None:
+            console.print(
+                "the demo's service (and its Ray dashboard) stops now; keep it with --keep-serving, or run "
+                "meshrun serve and then meshrun demo (the demo then uses that service)",
+                soft_wrap=True,
+            )
         raise typer.Exit(code)
     finally:
         if proc is not None:
             with console.status("stopping the service ..."):
                 _stop(proc)
+
+
+def _serving(data_dir: Path | None) -> Any:
+    """The ``meshrun serve`` of the data directory the demo would use, when it is up with a Ray runtime (a
+    ``--no-scheduler`` service or an unhealthy one is not reused)."""
+    from service.control.service_record import find_running
+    from service.settings import Settings
+
+    settings = Settings(data_dir=data_dir) if data_dir is not None else Settings()
+    running = find_running(settings.data_dir)
+    if running is None or running.record.ray_address is None:
+        return None
+    if not running.healthy:
+        _fail(
+            f"the meshrun service of data directory {settings.data_dir} (pid {running.record.pid}, "
+            f"{running.record.url}) is not healthy: {running.health.get('reason') or 'degraded'}; fix or stop it, "
+            "or give the demo its own: meshrun demo --data-dir DIR (with MESHRUN_RAY_GCS_PORT and "
+            "MESHRUN_RAY_DASHBOARD_PORT set to free ports)",
+            EXIT_UNAVAILABLE,
+        )
+    return running
+
+
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception): (.+)$")
+
+
+def _start_failure(log_path: Path) -> str | None:
+    """The message of the last exception in a service log (what made the service exit while starting)."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        m = _EXCEPTION_LINE.match(line.strip())
+        if m:
+            return m.group(1)
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- cluster

@@ -196,9 +196,11 @@ class BaseClient:
         max_retries: int | None = None,
         headers: Mapping[str, str] | None = None,
         on_retry: Callable[[], None] | None = None,
+        raw: bool = False,
     ) -> Any:
-        """Send one logical request (with retries) and return the decoded JSON body. ``on_retry`` is called
-        before each retry (callers use it to know that an earlier attempt may have taken effect).
+        """Send one logical request (with retries) and return the decoded JSON body (``raw``: the body's bytes as
+        sent). ``on_retry`` is called before each retry (callers use it to know that an earlier attempt may have
+        taken effect).
 
         POSTs carry an ``Idempotency-Key`` generated once here and reused by every retry, so a retry after
         a lost response returns the object the first attempt created instead of creating a second one."""
@@ -249,6 +251,8 @@ class BaseClient:
                     "Is it running (meshrun serve)? Set MESHRUN_URL or --url.",
                 ) from e
             if response.is_success:
+                if raw:
+                    return response.content
                 if response.status_code == 204 or not response.content:
                     return None
                 try:

@@ -3,7 +3,6 @@ artifacts (Chrome traces, stack dumps). Mixed into ``api.sdk.resources.Runs``.""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -40,10 +39,12 @@ class RunDiagnostics:
         return self._client.request("GET", path, params={"attempt": attempt})
 
     def download_artifact(self, run_id: str, name: str, dest: str | Path, *, attempt: int | None = None) -> Path:
-        """Write one artifact to ``dest`` (a file, or a directory to put it in under its base name)."""
-        data = self.artifact(run_id, name, attempt=attempt)
+        """Write one artifact to ``dest`` (a file, or a directory to put it in under its base name): its bytes as
+        stored, so the file has the size the artifact list shows."""
+        path = f"/v1/runs/{run_id}/artifacts/{quote(name)}"
+        data = self._client.request("GET", path, params={"attempt": attempt}, raw=True)
         out = Path(dest)
         if out.is_dir():
             out = out / Path(name).name
-        out.write_text(data if isinstance(data, str) else json.dumps(data))
+        out.write_bytes(data)
         return out

@@ -1,4 +1,10 @@
-"""Live progress views for ``wait(progress=True)`` (rich is imported only when a view is shown)."""
+"""Live progress views for ``wait(progress=True)`` (rich is imported only when a view is shown).
+
+On a terminal: a live view of two parts: the run (or sweep) and its status as wrapped text (never cut with "…": a
+run id or a link in a status stays whole), then a bar with the numbers. On anything else (a pipe, a CI log, a
+file): plain lines, no redraws and no colour, one per status change and one per tenth of the steps, each printed
+whole whatever the width.
+"""
 
 from __future__ import annotations
 
@@ -25,39 +31,63 @@ def _fmt_rate(x: float | None) -> str:
     return f"{x:.0f}"
 
 
+def _live(console: Any, *columns: Any, refresh_per_second: float) -> Any:
+    """A rich ``Progress`` that shows each task as its heading (``task.fields["head"]``: wrapped text, never
+    ellipsized) above a row of ``columns``."""
+    from rich.progress import Progress
+    from rich.text import Text
+
+    class _HeadedProgress(Progress):
+        def get_renderables(self) -> Any:
+            for task in self.tasks:
+                if task.visible:
+                    yield Text(str(task.fields.get("head", "")), overflow="fold")
+                    yield self.make_tasks_table([task])
+
+    return _HeadedProgress(
+        *columns, console=console, transient=False, refresh_per_second=refresh_per_second, expand=False
+    )
+
+
+class _Lines:
+    """Progress as plain lines, each printed once and whole (``soft_wrap``: the reader's terminal, if any, wraps)."""
+
+    def __init__(self, console: Any) -> None:
+        self.console = console
+        self._last: dict[str, str] = {}
+
+    def once(self, key: str, text: str) -> None:
+        if self._last.get(key) != text:
+            self._last[key] = text
+            self.console.print(text, soft_wrap=True, markup=False, highlight=False)
+
+
 class RunProgress:
     """step/total bar with loss, tokens/s (``now``: the latest step's; ``mean``: over every step so far, the slow
     first steps included: the same mean as the run summary's "tokens/s (mean of all steps)") and ETA, fed by
     incremental metric rows; before the first step, the run's start-up phase and its elapsed time."""
 
     def __init__(self, console: Any) -> None:
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-        self._progress = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(bar_width=24),
+        self._lines = None if console.is_terminal else _Lines(console)
+        self._next_line_step = 0
+        self._progress = _live(
+            console,
+            BarColumn(bar_width=12),
             MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"),
             TextColumn("tok/s now {task.fields[tps]} mean {task.fields[mean_tps]}"),
-            TextColumn("{task.fields[status]}"),
             TextColumn("eta"),
             TimeRemainingColumn(),
             TimeElapsedColumn(),
-            console=console,
-            transient=False,
             refresh_per_second=4,
         )
         self._task: Any = None
         self._seen = 0
         self._tps_sum = 0.0
-        self._progress.start()
+        if self._lines is None:
+            self._progress.start()
 
     @classmethod
     def create(cls, progress: Any) -> RunProgress | None:
@@ -72,11 +102,12 @@ class RunProgress:
             # before the first step: the start-up phase (queued and why, starting the Ray Job, placing N workers,
             # workers ready) with its elapsed time
             status = f"{status}: {run.status_reason}"
+        head = f"{run.name} ({run.id}): {status}"
         if self._task is None:
             self._task = self._progress.add_task(
-                f"{run.name} ({run.id})", total=total, loss="-", tps="-", mean_tps="-", status=status
+                "", total=total, loss="-", tps="-", mean_tps="-", status=status, head=head
             )
-        fields: dict[str, Any] = {"status": status}
+        fields: dict[str, Any] = {"status": status, "head": head}
         if rows:
             self._seen += len(rows)
             last = rows[-1]
@@ -88,30 +119,44 @@ class RunProgress:
             self._progress.update(self._task, completed=last.step, total=total, **fields)
         else:
             self._progress.update(self._task, total=total, **fields)
+        if self._lines is not None:
+            self._print_lines(run, total, bool(rows))
+
+    def _print_lines(self, run: Any, total: int, new_rows: bool) -> None:
+        assert self._lines is not None
+        task = self._progress.tasks[0]
+        f = task.fields
+        self._lines.once("status", f"{run.name} ({run.id}): {f['status']}")
+        step = int(task.completed)
+        if new_rows and (step >= self._next_line_step or step >= total):
+            self._next_line_step = step + max(1, total // 10)
+            self._lines.once(
+                "step", f"{run.id} step {step}/{total}  loss {f['loss']}  tok/s now {f['tps']} mean {f['mean_tps']}"
+            )
 
     def close(self) -> None:
-        self._progress.stop()
+        if self._lines is None:
+            self._progress.stop()
 
 
 class SweepProgress:
     """trials finished / to run (skipped ones counted apart), with the best measured tokens/s so far."""
 
     def __init__(self, console: Any) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
-        self._progress = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
+        self._lines = None if console.is_terminal else _Lines(console)
+        self._progress = _live(
+            console,
+            BarColumn(bar_width=12),
             MofNCompleteColumn(),
-            TextColumn("trials ({task.fields[skipped]} skipped)  best {task.fields[best]}"),
-            TextColumn("{task.fields[status]}"),
+            TextColumn("trials ({task.fields[skipped]} skipped)"),
             TimeElapsedColumn(),
-            console=console,
-            transient=False,
             refresh_per_second=2,
         )
         self._task: Any = None
-        self._progress.start()
+        if self._lines is None:
+            self._progress.start()
 
     @classmethod
     def create(cls, progress: Any) -> SweepProgress | None:
@@ -130,13 +175,13 @@ class SweepProgress:
         if sweep.best_trial is not None:
             bt = sweep.best_trial
             best = f"{layout_str(bt.layout)} mb{bt.micro_batch_size} {_fmt_rate(bt.measured_tokens_per_s)} tok/s"
+        head = f"sweep {sweep.name} ({sweep.id}): {sweep.status}, best {best}"
         if self._task is None:
-            self._task = self._progress.add_task(
-                f"sweep {sweep.name} ({sweep.id})", total=total, best=best, status=sweep.status, skipped=skipped
-            )
-        self._progress.update(
-            self._task, completed=finished, total=total, best=best, status=sweep.status, skipped=skipped
-        )
+            self._task = self._progress.add_task("", total=total, skipped=skipped, head=head)
+        self._progress.update(self._task, completed=finished, total=total, skipped=skipped, head=head)
+        if self._lines is not None:
+            self._lines.once("sweep", f"{head}; {finished}/{total} trials finished ({skipped} skipped)")
 
     def close(self) -> None:
-        self._progress.stop()
+        if self._lines is None:
+            self._progress.stop()

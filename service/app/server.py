@@ -34,7 +34,8 @@ from service.app.middleware import (
 from service.app.observability import configure_logging, instrument_app
 from service.app.overload import OverloadGate
 from service.app.ratelimit import RateLimiter
-from service.app.routes import cluster, goodput, health, observe, plans, runs, sweeps
+from service.app.routes import cluster, goodput, health, observe, plans, runs, sweeps, validate
+from service.control import service_record
 from service.control.runtime import Runtime
 from service.meta import VERSION
 from service.security.hosts import HostPolicy
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 
 
 PROTECTED_ROUTERS: tuple[APIRouter, ...] = (
+    validate.router,  # POST /v1/runs/validate
     runs.router,
     goodput.router,
     observe.router,
@@ -134,9 +136,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.session_factory = make_sessionmaker(engine)
         app.state.runtime = await run_in_threadpool(_start_runtime, settings, app.state.session_factory)
         _log_startup(settings, app.state.runtime)
+        if app.state.record_service:  # ``serve``: doctor and demo find this service by its data directory
+            service_record.write(
+                settings.data_dir,
+                url=console_url(settings),
+                host=settings.host,
+                port=settings.port,
+                runtime=app.state.runtime,
+            )
         try:
             yield
         finally:
+            if app.state.record_service:
+                service_record.clear(settings.data_dir)
             runtime, app.state.runtime = app.state.runtime, None
             if runtime is not None:
                 await run_in_threadpool(runtime.stop)
@@ -156,6 +168,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.runtime = None
+    app.state.record_service = False
     app.state.rate_limiter = RateLimiter(settings.rate_limit_per_minute)
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
@@ -260,8 +273,10 @@ def serve(settings: Settings | None = None) -> None:
     # read that waits for the GIL several times. 1 ms keeps reads quick under CPU-bound requests
     # (bench/bench_heavy_requests.py) for a little more switching overhead.
     sys.setswitchinterval(0.001)
+    app = create_app(settings)
+    app.state.record_service = True
     uvicorn.run(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         log_config=None,

@@ -124,6 +124,8 @@ def job_runtime_env(
     # to up to 0.5 s (bench/bench_goodput.py: 2.4 -> 1.4 s per kill, the rest being the error's own way there) at
     # the cost of two small RPCs per worker a second. RAY_TRAIN_HEALTH_CHECK_INTERVAL_S overrides it.
     env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = HEALTH_CHECK_INTERVAL_S
+    # A job's output is a log file, never a terminal: no ANSI colour around Ray's "(RayTrainWorker pid=...)" prefixes
+    env["RAY_COLOR_PREFIX"] = "0"
     env.update({k: os.environ[k] for k in PASS_THROUGH_ENV if os.environ.get(k)})
     env.update(extra_env or {})
     for k in SECRET_ENV:

@@ -2,8 +2,10 @@
 
 ``run_checks(settings)`` returns one ``Check`` per item: the torch build (and CUDA / NCCL when present, gloo for CPU
 workers), Ray (version, the dashboard / Jobs API that ``ray[default]`` brings), the database (reachable, migrated),
-the ports the service and its local Ray head need, and the CPU slots (do the examples fit). Nothing is started;
-each check is bounded (no check waits long on the network).
+the ports the service and its local Ray head need, and the CPU slots (do the examples fit). The data directory's
+own running ``meshrun serve`` (``service.control.service_record``) is reported as such, with its URL and Ray head,
+and the ports it holds are not "in use by another program". Nothing is started; each check is bounded (no check
+waits long on the network).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from service.cluster.head import local_cpu_slots
+from service.control.service_record import find_running, meshrun_at
 from service.settings import Settings
 
 Level = Literal["ok", "warn", "fail"]
@@ -114,23 +117,65 @@ def _listening(host: str, port: int) -> bool:
         return s.connect_ex((host if host not in ("0.0.0.0", "") else "127.0.0.1", port)) == 0
 
 
+def _url(host: str, port: int) -> str:
+    return f"http://{host if host not in ('0.0.0.0', '') else '127.0.0.1'}:{port}"
+
+
+def _running_service(settings: Settings) -> tuple[Check | None, set[int]]:
+    """This data directory's own ``meshrun serve`` (``<data_dir>/service.json``), when it answers: a check that
+    reports it (URL, Ray head) and the ports it holds (not "another program")."""
+    svc = find_running(settings.data_dir)
+    if svc is None:
+        return None, set()
+    rec = svc.record
+    if rec.ray_owned:
+        ray = f"its own Ray head at {rec.ray_address} (dashboard {rec.ray_dashboard_url})"
+    elif rec.ray_address:
+        ray = f"the Ray cluster at {rec.ray_address}"
+    else:
+        ray = "no Ray runtime (--no-scheduler: runs stay QUEUED)"
+    where = f"meshrun {rec.version} (pid {rec.pid}) serves this data directory at {rec.url}/ with {ray}"
+    if svc.healthy:
+        return Check("service", "ok", f"{where}: healthy"), svc.ports
+    reason = svc.health.get("reason") or "degraded"
+    return Check("service", "warn", f"{where}: {reason}", "see that service's log; /healthz says what is wrong"), (
+        svc.ports
+    )
+
+
 def _ports(settings: Settings) -> list[Check]:
+    service, ours = _running_service(settings)
     wanted = [("service", settings.port, "MESHRUN_PORT")]
     if not settings.ray_address:
         wanted += [
             ("Ray GCS", settings.ray_gcs_port, "MESHRUN_RAY_GCS_PORT"),
             ("Ray dashboard", settings.ray_dashboard_port, "MESHRUN_RAY_DASHBOARD_PORT"),
         ]
-    out = []
+    out = [service] if service is not None else []
     for what, port, var in wanted:
-        if _listening(settings.host, port):
+        if port in ours:
+            out.append(Check(f"port {port}", "ok", f"{what} port {port} is held by this data directory's service"))
+        elif _listening(settings.host, port) and var == "MESHRUN_PORT" and meshrun_at(_url(settings.host, port)):
             out.append(
                 Check(
                     f"port {port}",
                     "warn",
-                    f"{what} port {port} is in use (a meshrun already serving, or another program)",
+                    f"a meshrun service of another data directory answers on port {port}",
+                    f"use it (--url {_url(settings.host, port)}), or set MESHRUN_PORT to a free port for this one",
+                )
+            )
+        elif _listening(settings.host, port):
+            out.append(
+                Check(
+                    f"port {port}",
+                    "warn",
+                    f"{what} port {port} is in use by another program (no meshrun service of this data directory)",
                     f"stop that program or set {var} to a free port"
-                    + (" (the local Ray head picks a free one by itself)" if var != "MESHRUN_PORT" else ""),
+                    + (
+                        " (meshrun serve refuses to start while it is taken: it never moves to another port)"
+                        if var != "MESHRUN_PORT"
+                        else ""
+                    ),
                 )
             )
         else:

@@ -75,13 +75,12 @@ def check_fits(session: Session, spec: RunSpec, plan: Plan, runtime: Runtime | N
         plan = plan.model_copy(update={"predicted": cand})
         if not cand.feasible and not spec.skip_memory_check:
             m = cand.memory_bytes
-            msg = (
-                f"layout predicted not to fit in device memory: {_gib(m.total)} per rank (params {_gib(m.params)}, "
-                f"grads {_gib(m.grads)}, optimizer {_gib(m.optimizer)}, activations {_gib(m.activations)}, "
-                f"buffers {_gib(m.buffers)})"
+            # the planner's reason holds the per-rank memory breakdown and the device's memory: say it once
+            msg = "layout predicted not to fit in device memory: " + (
+                cand.reason
+                or f"{_gib(m.total)} per rank (params {_gib(m.params)}, grads {_gib(m.grads)}, optimizer "
+                f"{_gib(m.optimizer)}, activations {_gib(m.activations)}, buffers {_gib(m.buffers)})"
             )
-            if cand.reason:
-                msg += f"; {cand.reason}"
             alt = None
             if cluster is not None:
                 try:
@@ -100,6 +99,29 @@ def check_fits(session: Session, spec: RunSpec, plan: Plan, runtime: Runtime | N
         if reason:
             raise RunRefused("insufficient_capacity", reason)
     return plan
+
+
+def validate_run(
+    session: Session,
+    *,
+    spec: RunSpec,
+    can_run_code: bool,
+    settings: Settings,
+    runtime: Runtime | None = None,
+    admin: bool = False,
+) -> tuple[Plan, list[str], list[str]]:
+    """``submit_run``'s checks, nothing stored: (the plan with its prediction, the checks run, those not run)."""
+    spec = check_spec_policy(spec, can_run_code=can_run_code, settings=settings, admin=admin)
+    plan = check_fits(session, spec, build_plan(spec), runtime)
+    checked = ["spec", "policy (permissions, paths, user code)"]
+    if runtime is None:
+        why = "this service runs no Ray runtime (--no-scheduler)"
+        return plan, checked, [f"memory fit: {why}", f"cluster capacity: {why}"]
+    cluster = runtime.planning_cluster()
+    if cluster is None:
+        return plan, checked + ["cluster capacity"], ["memory fit: the Ray cluster reports no devices yet"]
+    where = f"{cluster.nodes} node(s) x {cluster.gpus_per_node} {cluster.device}"
+    return plan, checked + [f"memory fit on the service's cluster ({where})", "cluster capacity"], []
 
 
 def submit_run(

@@ -37,6 +37,7 @@ from typing import Any, cast
 
 import ray
 from ray.actor import ActorHandle
+from ray.exceptions import GetTimeoutError
 from ray.train import ControllerError, WorkerGroupError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -107,6 +108,8 @@ class Recorder:
         self.hang_reasons: dict[int, str] = {}  # attempt -> why the driver failed it
         self.first_step_seen = False
         self.lock = threading.Lock()
+        self._drain_lock = threading.Lock()  # one drain at a time (``drain``)
+        self._pending_drain: Any = None  # a drain the channel has not answered yet
 
     def apply(self, events: list[dict[str, Any]]) -> None:
         if not events:
@@ -256,11 +259,33 @@ class Recorder:
                 delete_checkpoint_dir(c.path)
 
     def drain(self, channel: ActorHandle, *, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
-        """Apply what the channel holds now (logs and swallows failures: the next drain retries)."""
-        try:
-            self.apply(ray.get(channel.drain.remote(), timeout=timeout_s))
-        except Exception:
-            logger.exception("draining the channel of run %s failed", self.run_id)
+        """Apply what the channel holds now (logs and swallows failures: the next drain retries).
+
+        A drain the channel has not answered within ``timeout_s`` (an actor starved on a busy machine) is not asked
+        again: the actor has handed its events to that answer, so the next drain (the driver's final one included)
+        waits for the same one, and nothing is lost. The drainer thread and the final drain take turns."""
+        with self._drain_lock:
+            try:
+                if self._pending_drain is None:
+                    self._pending_drain = channel.drain.remote()
+                events = ray.get(self._pending_drain, timeout=timeout_s)
+            except GetTimeoutError:
+                logger.warning(
+                    "the channel of run %s has not answered a drain within %.0f s (a busy machine?); the next drain "
+                    "waits for the same answer",
+                    self.run_id,
+                    timeout_s,
+                )
+                return
+            except Exception:
+                self._pending_drain = None
+                logger.exception("draining the channel of run %s failed", self.run_id)
+                return
+            self._pending_drain = None
+            try:
+                self.apply(events)
+            except Exception:
+                logger.exception("recording what the channel of run %s held failed", self.run_id)
 
 
 # ----------------------------------------------------------------------------------------------- outcome

@@ -37,7 +37,7 @@ def use_handler(monkeypatch):
 
 
 def test_logs_follow_prints_each_line_once_until_the_run_ends(use_handler):
-    chunks = ["step 1\n", "step 1\nstep 2\n", "step 1\nstep 2\nstep 3\ndone\n"]
+    chunks = ["step 1\n", "step 1\nstep 2\n", "step 1\nstep 2\nstep 3\n\x1b[36m(RayTrainWorker pid=7)\x1b[0m done\n"]
     state = {"logs": 0, "gets": 0}
 
     def handler(req):
@@ -55,7 +55,7 @@ def test_logs_follow_prints_each_line_once_until_the_run_ends(use_handler):
     use_handler(handler)
     r = runner.invoke(cli_mod.app, ["logs", "run-1", "--follow"])
     assert r.exit_code == 0, r.output
-    assert r.stdout == "step 1\nstep 2\nstep 3\ndone\n"
+    assert r.stdout == "step 1\nstep 2\nstep 3\n(RayTrainWorker pid=7) done\n"  # not a terminal: no colour codes
 
 
 def test_cluster_table_and_json(use_handler):

@@ -52,6 +52,11 @@ def run_row(run: Run, summary: dict[str, Any] | None) -> dict[str, Any]:
     steps = int((run.spec.get("train") or {}).get("steps") or 0)
     s = summary or {}
     done = int(s.get("steps_done") or 0)
+    early = bool(
+        run.sweep_id
+        and run.status == RunStatus.CANCELLED.value
+        and (run.status_reason or "").startswith("early-stopped")
+    )
     return {
         "id": run.id,
         "name": run.name,
@@ -69,7 +74,10 @@ def run_row(run: Run, summary: dict[str, Any] | None) -> dict[str, Any]:
         "sweep_id": run.sweep_id,
         "attempts": run.attempts or 0,
         "active": run.status in ACTIVE,
-        "resumable": run.status in (RunStatus.FAILED.value, RunStatus.CANCELLED.value),
+        # a sweep trial its scheduler stopped early is CANCELLED with the scheduler's reason: shown as what it is,
+        # and not offered a resume (the sweep measured what it needed)
+        "shown_status": "EARLY_STOPPED" if early else run.status,
+        "resumable": run.status in (RunStatus.FAILED.value, RunStatus.CANCELLED.value) and not early,
     }
 
 

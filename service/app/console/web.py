@@ -20,6 +20,7 @@ from fastapi.templating import Jinja2Templates
 from jinja2 import is_undefined
 
 from api.sdk._specs import layout_str
+from api.spec.units import format_bytes
 from service.app.deps import Principal, local_principal, principal_from_cookie, principal_from_secret
 from service.app.errors import ApiError
 from service.app.links import ray_job_link, ray_proxy_allowed, service_base_url
@@ -55,12 +56,7 @@ def _pct(x: float | None, digits: int = 1) -> str:
 
 
 def _bytes(x: float | None) -> str:
-    if x is None:
-        return "–"
-    for div, suffix in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if abs(x) >= div:
-            return f"{x / div:.3g} {suffix}"
-    return f"{int(x)} B"
+    return format_bytes(x, missing="–")  # the one size format (binary units), also the CLI's and console.js's
 
 
 def _seconds(x: float | None) -> str:

@@ -53,13 +53,21 @@
       return a >= 1e9 ? (v / 1e9).toPrecision(3) + "G" : a >= 1e6 ? (v / 1e6).toPrecision(3) + "M" : a >= 1e3 ? (v / 1e3).toPrecision(3) + "k" : v.toPrecision(3);
     },
     pct: function (v) { return v == null ? "–" : (100 * v).toFixed(1) + "%"; },
+    /* the one size format, as api/spec/units.py format_bytes: binary units, 3 significant digits */
     bytes: function (v) {
       if (v == null) return "–";
       var u = ["B", "KiB", "MiB", "GiB", "TiB"], i = 0;
       while (Math.abs(v) >= 1024 && i < u.length - 1) { v /= 1024; i++; }
-      return (i ? v.toPrecision(3) : v) + " " + u[i];
+      if (!i) return Math.trunc(v) + " B";
+      var a = Math.abs(v);
+      return v.toFixed(a >= 100 ? 0 : a >= 10 ? 1 : 2) + " " + u[i];
     },
     seconds: function (v) { return v == null ? "–" : v < 1 ? (v * 1000).toPrecision(3) + " ms" : v.toPrecision(3) + " s"; },
+    /* an axis's ticks in one unit (ms when every tick is under a second, else s): never "0.00 ms" next to "1.00 s" */
+    secondsAxis: function (vals) {
+      var top = Math.max.apply(null, vals.map(function (v) { return Math.abs(v || 0); }));
+      return vals.map(function (v) { return v == null ? "" : top < 1 ? +(v * 1000).toPrecision(3) + " ms" : +v.toPrecision(3) + " s"; });
+    },
   };
   meshrun.fmt = fmt;
 
@@ -105,7 +113,7 @@
       })),
       axes: [axis({ values: function (u, vals) { return vals.map(function (v) { return (spec.xFmt || fmt.num)(v); }); },
                     incrs: spec.xFmt ? undefined : STEP_INCRS }),
-             axis({ size: 64, values: function (u, vals) { return vals.map(function (v) { return (spec.yFmt || fmt.num)(v); }); } })],
+             axis({ size: 64, values: function (u, vals) { return spec.yAxisFmt ? spec.yAxisFmt(vals) : vals.map(function (v) { return (spec.yFmt || fmt.num)(v); }); } })],
     };
     if (spec.yRange) opts.scales.y = { range: spec.yRange };
     var u = new uPlot(opts, [spec.x].concat(shown.map(function (s) { return s.values; })), el);
@@ -195,7 +203,7 @@
       chart("loss", $("#chart-loss"), { x: xs, series: [{ label: "loss", values: col("loss"), color: css("--c1") }], empty: "No steps recorded yet" });
       chart("tokens_per_s", $("#chart-tps"), { x: xs, yFmt: fmt.rate, series: [{ label: "tokens/s", values: col("tokens_per_s"), color: css("--c2") }] });
       chart("mfu", $("#chart-mfu"), { x: xs, yFmt: fmt.pct, yRange: shareRange, series: [{ label: "MFU", values: col("mfu"), color: css("--c4") }] });
-      chart("step_time_s", $("#chart-step"), { x: xs, yFmt: fmt.seconds, series: [{ label: "step time", values: col("step_time_s"), color: css("--c3") }] });
+      chart("step_time_s", $("#chart-step"), { x: xs, yFmt: fmt.seconds, yAxisFmt: fmt.secondsAxis, series: [{ label: "step time", values: col("step_time_s"), color: css("--c3") }] });
       chart("peak_memory_bytes", $("#chart-mem"), { x: xs, yFmt: fmt.bytes, series: [{ label: "peak memory", values: col("peak_memory_bytes"), color: css("--c5") }] });
       chart("comm_fraction", $("#chart-comm"), { x: xs, yFmt: fmt.pct, yRange: shareRange, series: [{ label: "communication", values: col("comm_fraction"), color: css("--c2") }],
         empty: "Not measured for this run (no data-parallel collectives timed)" });
@@ -203,7 +211,9 @@
       syncChart("staleness", { x: xs, yRange: fromZero, series: [
         { label: "mean", values: col("staleness_mean"), color: css("--c2") },
         { label: "max", values: col("staleness_max"), color: css("--c5"), dash: [5, 4] }] });
-      syncChart("cross_group_bytes", { x: xs, yFmt: fmt.bytes, yRange: fromZero,
+      // cross-group traffic exists only for the sync modes that exchange across groups: all zero (a pp or plain dp
+      // run reports 0) means the run has no such traffic, so no card
+      syncChart("cross_group_bytes", { x: xs, yFmt: fmt.bytes, yRange: fromZero, nonzero: true,
         series: [{ label: "bytes/step", values: col("cross_group_bytes"), color: css("--c3") }] });
       syncChart("replica_divergence", { x: xs, points: true,
         series: [{ label: "divergence", values: col("replica_divergence"), color: css("--c4") }] });
@@ -211,7 +221,7 @@
     function syncChart(name, spec) {
       var card = document.querySelector('[data-sync-chart="' + name + '"]');
       if (!card) return;
-      var has = spec.series.some(function (s) { return s.values.some(function (v) { return v != null; }); });
+      var has = spec.series.some(function (s) { return s.values.some(function (v) { return v != null && !(spec.nonzero && v === 0); }); });
       card.hidden = !has;
       if (has) chart(name, card.querySelector(".chart"), spec);
     }
