@@ -43,7 +43,7 @@ def test_failed_and_unmeasured_reports_are_ignored():
 
 def test_driver_callback_and_scheduler_pickle():
     """Tune pickles its callbacks and scheduler with the experiment state: plain data only."""
-    import cloudpickle
+    from ray import cloudpickle  # what Tune pickles with (cloudpickle itself is not a dependency)
 
     from service.sweeps.driver import TrialRecorder
 
