@@ -12,14 +12,13 @@ Where a refusal is itself the answer (an HTTP 409, a test of the state machine),
 ``end_run``, ``transition_sweep`` and ``transition_trial`` raise ``Conflict`` (``TransitionResult.or_raise``).
 
 The transition tables below are the only ones. The state diagrams in docs/architecture.md are rendered from them
-(``render_diagram``; a test fails when the document differs; ``python -m service.store.controller`` rewrites it).
+(``render_diagram``; a test fails when the document differs; ``write_diagrams`` rewrites them).
 Keyword-only functions over a Session; the caller owns the transaction.
 """
 
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -406,6 +405,8 @@ def with_diagrams(text: str) -> str:
     return text
 
 
-if __name__ == "__main__":  # rewrite the diagrams of docs/architecture.md (or the file named) from the tables
-    doc = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/architecture.md")
+def write_diagrams(path: str | Path = "docs/architecture.md") -> None:
+    """Rewrite the state diagrams in ``path`` from the tables (``python -c "from service.store.controller import
+    write_diagrams; write_diagrams()"`` from the repository root)."""
+    doc = Path(path)
     doc.write_text(with_diagrams(doc.read_text()))
