@@ -19,7 +19,7 @@ Keyword-only functions over a Session; the caller owns the transaction.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -394,12 +394,17 @@ def _marker(kind: str, end: bool) -> str:
     return f"<!-- state-diagram:{kind} {'end' if end else 'begin'} (generated from service/store/controller.py) -->"
 
 
+def _literal(block: str) -> Callable[[re.Match[str]], str]:
+    """A ``re.sub`` replacement that inserts ``block`` as it is (no backslash or group escapes)."""
+    return lambda _m: block
+
+
 def with_diagrams(text: str) -> str:
     """``text`` (docs/architecture.md) with the block between each kind's markers replaced by its rendering."""
     for kind in DIAGRAMS:
         begin, end = re.escape(_marker(kind, False)), re.escape(_marker(kind, True))
         block = f"{_marker(kind, False)}\n{render_diagram(kind)}\n{_marker(kind, True)}"
-        text, n = re.subn(f"{begin}.*?{end}", lambda _m, b=block: b, text, flags=re.S)
+        text, n = re.subn(f"{begin}.*?{end}", _literal(block), text, flags=re.S)
         if n != 1:
             raise ValueError(f"expected one '{kind}' state diagram between its markers, found {n}")
     return text
