@@ -1,15 +1,16 @@
 """The run controller: the one owner of run, attempt, sweep and trial state.
 
 Every change of a run's, an attempt's, a sweep's or a trial's status happens in this module and nowhere else
-(``tests/service/test_controller.py`` scans ``service/`` and ``workers/`` for any other write). The scheduler, the
+(``tests/service/test_state_owner.py`` scans ``service/`` and ``workers/`` for any other write). The scheduler, the
 drivers' lifecycle, recovery, the runtime, submission and the sweeps ask for a transition with a reason and get a
 ``TransitionResult``: applied (the status moved, or already was the one asked for) or refused with why. A refusal is
 a value to branch on, not an exception. Each request is decided first (``decide``, a pure function of the current
 status, the wanted one and the transition table) and then acted on: the status, its reason, timestamps, any extra
 fields and one event row (``run_events`` / ``sweep_events``) written in the caller's transaction and flushed.
 
-Where a refusal is itself the answer (an HTTP 409, a test of the state machine), the strict forms ``transition``,
-``end_run``, ``transition_sweep`` and ``transition_trial`` raise ``Conflict`` (``TransitionResult.or_raise``).
+Where a refusal is itself the answer (an HTTP 409, a test of the state machine), the caller uses
+``TransitionResult.or_raise`` (``Conflict``) or the strict forms ``transition``, ``transition_sweep`` and
+``transition_trial``.
 
 The transition tables below are the only ones. The state diagrams in docs/architecture.md are rendered from them
 (``render_diagram``; a test fails when the document differs; ``write_diagrams`` rewrites them).
