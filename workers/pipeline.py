@@ -28,12 +28,13 @@ import contextlib
 import copy
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 
-from workers.parallelize import Parallelized
+if TYPE_CHECKING:
+    from workers.parallelize import Parallelized
 
 logger = logging.getLogger(__name__)
 
