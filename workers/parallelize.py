@@ -334,7 +334,7 @@ def parallelize_model(
 
 def apply_autocast(model: nn.Module, device_type: str, dtype: torch.dtype) -> nn.Module:
     """Put autocast inside ``model.forward`` (pipeline parts: the schedule calls forward, not the loop)."""
-    model.forward = torch.autocast(device_type=device_type, dtype=dtype)(model.forward)  # type: ignore[method-assign]
+    model.forward = torch.autocast(device_type=device_type, dtype=dtype)(model.forward)
     return model
 
 
