@@ -85,7 +85,9 @@ class Engine:
     start_step: int = 0
     last_checkpoint: str | None = None
     preempt_cause: str | None = None  # the service's reason to preempt (rank 0 polls it)
-    all_params: list[torch.nn.Parameter] = field(default_factory=list)
+    all_params: list[torch.nn.Parameter] = field(default_factory=list)  # every part's, for the gradient norm
+    pp_group: Any = None  # the pipeline's process group (the gradient norm sums over it)
+    loss_owner: bool = True  # this rank's loss is the reported one: it holds the last stage, TP rank 0
 
     @property
     def spec(self) -> RunSpec:
@@ -98,16 +100,6 @@ class Engine:
     @property
     def model_parts(self) -> list[torch.nn.Module]:
         return [p.model for p in self.parts]
-
-    @property
-    def loss_owner(self) -> bool:
-        """This rank's loss is the reported one: it holds the last stage, TP rank 0."""
-        last_stage = self.runner.has_last_stage if self.runner is not None else True
-        return last_stage and self.dims.tp_rank == 0
-
-    @property
-    def pp_group(self) -> Any:
-        return self.dims.pp_mesh.get_group() if self.dims.pp_enabled else None
 
 
 def resolve_device(plan: Plan) -> torch.device:
@@ -295,4 +287,6 @@ def build_engine(job: WorkerJob, dims: ParallelDims, device: torch.device, inst:
         profiler=profiler,
         start_step=start_step,
         all_params=[p for part in parts for p in part.model.parameters()],
+        pp_group=dims.pp_mesh.get_group() if dims.pp_enabled else None,
+        loss_owner=(runner.has_last_stage if runner is not None else True) and dims.tp_rank == 0,
     )
