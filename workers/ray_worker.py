@@ -1,4 +1,4 @@
-"""The Ray Train ``train_loop_per_worker``: runs ``workers.loop.train`` inside a Ray Train worker.
+"""The Ray Train ``train_loop_per_worker``: runs ``workers.loop.train_job`` inside a Ray Train worker.
 
 Per worker group start (an attempt):
 1. every rank all-gathers (Ray node id, pid); the TP groups (``tp`` consecutive ranks; rank order pp-outer,
@@ -20,7 +20,7 @@ seconds (fire and forget). Rank 0 polls the channel's ``control()`` at each repo
 rank after the step (a cancel, a sweep's early stop), ``{"preempt": reason}`` checkpoints then stops,
 ``{"profile_steps": k}`` profiles the next k steps on every rank; trace files are written on each node and sent
 to the channel's ``artifact(attempt, rank, name, text)``. Runs and sweep trials alike: one entry
-(``workers.loop.train``), the same hooks (``channel_hooks``).
+(``workers.loop.train_job``), the same hooks (``channel_hooks``).
 
 Imports ray and torch only (no fastapi, no sqlalchemy).
 """

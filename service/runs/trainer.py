@@ -6,7 +6,7 @@ node pinning) or else from the plan's worker resources, ``FailureConfig(max_fail
 submission (``train_run_name``), checkpoints kept per the spec, a short ``TorchConfig.timeout_s``, and the
 ``ChannelCallback`` that forwards checkpoints and worker errors to the run's channel.
 
-The workers run ``workers.ray_worker.train_loop_per_worker``, which calls ``workers.loop.train`` with the run
+The workers run ``workers.ray_worker.train_loop_per_worker``, which calls ``workers.loop.train_job`` with the run
 channel's hooks (heartbeats for the hang watch, per-rank breakdowns for the straggler watch, profiles, and
 ``control()``: stop, preempt, profile). Runs and sweep trials get the same entry and the same hooks; a trial is asked
 to stop (a sweep's early stop, a cancel) through its channel like any run. ``stoppable=True`` (sweep trials) only
