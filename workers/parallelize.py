@@ -19,7 +19,8 @@ import logging
 import os
 from collections import defaultdict
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -227,6 +228,25 @@ def apply_ddp(
 
 
 # ------------------------------------------------------------------------------------- the decision
+@dataclass(frozen=True)
+class Parallelized:
+    """What ``parallelize_model`` made of one model (or one pipeline part): the wrapped module and what the step
+    needs to know about it (how its gradients sync, the autocast dtype and whether logits come vocab-sharded)."""
+
+    model: nn.Module
+    dp: Literal["ddp", "fsdp"] | None = None  # how gradients are reduced across data-parallel ranks
+    autocast: torch.dtype | None = None  # forward under torch.autocast (unsharded low-precision models)
+    loss_parallel: bool = False  # logits are a vocab-sharded DTensor: compute the loss under loss_parallel()
+
+    def grad_sync(self, is_last_microbatch: bool) -> contextlib.AbstractContextManager[Any]:
+        """Context for one micro-batch's forward+backward: skip the gradient reduction except on the last."""
+        if self.dp == "ddp" and not is_last_microbatch:
+            return cast(Any, self.model).no_sync()  # DistributedDataParallel
+        if self.dp == "fsdp":
+            cast(Any, self.model).set_requires_gradient_sync(is_last_microbatch)  # FSDPModule
+        return contextlib.nullcontext()
+
+
 def parallelize_model(
     model: nn.Module,
     dims: ParallelDims,
@@ -235,14 +255,14 @@ def parallelize_model(
     *,
     device: torch.device | str | None = None,
     init_on_meta: bool | None = None,
-) -> nn.Module:
-    """Apply TP -> AC -> FSDP/DDP to ``model`` (a whole model or one pipeline part) and give it weights.
+) -> Parallelized:
+    """Apply TP -> AC -> compile -> FSDP/DDP to ``model`` (a whole model or one pipeline part), give it weights,
+    and return it with what the step needs to know (``Parallelized``).
 
     ``model`` may be on the meta device: it is materialised on ``device`` with ``init_weights`` (seeded by
     ``spec.train.seed`` and parameter names) BEFORE sharding for small models or DDP, or AFTER FSDP
     sharding (never holding the full model) when ``init_on_meta`` or its size exceeds ``meta_init_bytes()``.
-    Records ``model.meshrun_dp`` ('ddp' | 'fsdp' | None), ``meshrun_autocast`` (dtype or None) and
-    ``meshrun_loss_parallel``.
+    A new parallel dimension or precision is one ``apply_*`` function and one line in the order below.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     seed = spec.train.seed
@@ -273,6 +293,7 @@ def parallelize_model(
         and hasattr(model, "tp_plan")
         and getattr(model, "output", None) is not None
     )
+    # the order (torchtitan's): each line one apply_* of workers.parallelize
     if dims.tp_enabled:
         apply_tp(
             model, dims.tp_mesh, sequence_parallel=lay.sequence_parallel, loss_parallel=loss_parallel, tp_plan=user_plan
@@ -281,9 +302,6 @@ def parallelize_model(
         apply_ac(model, spec.activation_checkpointing, block_classes=block_classes)
     if spec.compile:
         apply_compile(model, block_classes=block_classes)
-
-    dp_kind = None
-    autocast = dtype if dtype != torch.float32 else None
     if use_fsdp:
         hsdp = dims.dp_replicate > 1 and not periodic  # periodic modes: FSDP inside each replica only
         mesh = dims.mesh["dp_replicate", "dp_shard"] if hsdp else dims.mesh["dp_shard"]
@@ -295,7 +313,6 @@ def parallelize_model(
             cpu_offload=lay.cpu_offload,
             block_classes=block_classes,
         )
-        dp_kind, autocast = "fsdp", None
     elif use_ddp:
         model = apply_ddp(
             model,
@@ -303,31 +320,25 @@ def parallelize_model(
             compression=lay.grad_compression if plan.zero_stage == 0 else "none",
             device=device,
         )
-        dp_kind = "ddp"
     if init_on_meta:
         materialize(model, device=device, seed=seed)
+
+    # FSDP casts parameters itself (its mixed-precision policy); other low-precision models run under autocast
+    autocast = dtype if dtype != torch.float32 and not use_fsdp else None
     if autocast is not None and dims.pp_enabled:
-        # the pipeline schedule calls forward itself: put autocast inside this part's forward
-        model.forward = torch.autocast(device_type=device.type, dtype=autocast)(model.forward)
+        apply_autocast(model, device.type, autocast)  # the pipeline schedule calls forward itself
         autocast = None
-    # recorded on the module for the loop and the pipeline runner (plain attributes, not submodules)
-    setattr(model, "meshrun_dp", dp_kind)  # noqa: B010
-    setattr(model, "meshrun_autocast", autocast)  # noqa: B010
-    setattr(model, "meshrun_loss_parallel", loss_parallel)  # noqa: B010
+    dp: Literal["ddp", "fsdp"] | None = "fsdp" if use_fsdp else "ddp" if use_ddp else None
+    return Parallelized(model=model, dp=dp, autocast=autocast, loss_parallel=loss_parallel)
+
+
+def apply_autocast(model: nn.Module, device_type: str, dtype: torch.dtype) -> nn.Module:
+    """Put autocast inside ``model.forward`` (pipeline parts: the schedule calls forward, not the loop)."""
+    model.forward = torch.autocast(device_type=device_type, dtype=dtype)(model.forward)
     return model
 
 
 # ----------------------------------------------------------------------------- training-step helpers
-def grad_sync(model: nn.Module, is_last_microbatch: bool):
-    """Context for one micro-batch's forward+backward: skip the gradient reduction except on the last."""
-    kind = getattr(model, "meshrun_dp", None)
-    if kind == "ddp" and not is_last_microbatch:
-        return getattr(model, "no_sync")()  # noqa: B009 - DDP
-    if kind == "fsdp":
-        getattr(model, "set_requires_gradient_sync")(is_last_microbatch)  # noqa: B009 - FSDPModule
-    return contextlib.nullcontext()
-
-
 def unwrap(model: nn.Module) -> nn.Module:
     return model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
 

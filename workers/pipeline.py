@@ -28,10 +28,13 @@ import contextlib
 import copy
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
+
+if TYPE_CHECKING:
+    from workers.parallelize import Parallelized
 
 logger = logging.getLogger(__name__)
 
@@ -261,11 +264,18 @@ class PipelineRunner:
     """
 
     def __init__(
-        self, *, schedule: Any, stages: list[Any], model_parts: list[nn.Module], schedule_name: str, n_microbatches: int
+        self,
+        *,
+        schedule: Any,
+        stages: list[Any],
+        parts: list[Parallelized],
+        schedule_name: str,
+        n_microbatches: int,
     ):
         self.schedule = schedule
         self.stages = stages
-        self.model_parts = model_parts
+        self.parts = parts
+        self.model_parts = [p.model for p in parts]
         self.schedule_name = schedule_name
         self.n_microbatches = n_microbatches
         self.stage_ids = [s.stage_index for s in stages]
@@ -293,21 +303,14 @@ class PipelineRunner:
         return None
 
     def _context(self) -> contextlib.AbstractContextManager:
-        """Autocast / loss_parallel as ``workers.parallelize`` recorded on the parts (``meshrun_autocast``:
-        a dtype for unsharded low-precision parts; ``meshrun_loss_parallel``: vocab-sharded logits)."""
+        """Autocast / loss_parallel as ``workers.parallelize`` decided for the parts (``Parallelized.autocast``:
+        a dtype for unsharded low-precision parts; ``Parallelized.loss_parallel``: vocab-sharded logits)."""
         stack = contextlib.ExitStack()
-        dtype = next(
-            (
-                getattr(p, "meshrun_autocast", None)
-                for p in self.model_parts
-                if getattr(p, "meshrun_autocast", None) is not None
-            ),
-            None,
-        )
+        dtype = next((p.autocast for p in self.parts if p.autocast is not None), None)
         if dtype is not None:
             dev = self.stages[0].device.type if self.stages else "cpu"
             stack.enter_context(torch.autocast(dev, dtype=dtype))
-        if any(getattr(p, "meshrun_loss_parallel", False) for p in self.model_parts):
+        if any(p.loss_parallel for p in self.parts):
             from torch.distributed.tensor.parallel import loss_parallel
 
             stack.enter_context(loss_parallel())
@@ -332,14 +335,14 @@ def build_pipeline(
     plan: Any,
     spec: Any,
     device: torch.device | str,
-    parallelize_fn: Callable[[nn.Module], nn.Module | None],
+    parallelize_fn: Callable[[nn.Module], Parallelized],
     loss_fn: Callable[..., torch.Tensor],
 ) -> PipelineRunner:
     """Split ``model`` into ``plan.pp_stages_total`` stages, keep this rank's, parallelize them, schedule.
 
     ``model`` is the full model (on any device, meta included: the parts are deep copies and the caller
     initialises/moves them afterwards if it built on meta). ``parallelize_fn(part)`` applies TP/AC/FSDP/DDP
-    to one part and returns it (or None if it worked in place). ``loss_fn(output, target)`` is the mean loss
+    to one part (``workers.parallelize.parallelize_model``). ``loss_fn(output, target)`` is the mean loss
     of one micro-batch.
     """
     from torch.distributed.pipelining import PipelineStage
@@ -360,17 +363,16 @@ def build_pipeline(
     names = stage_module_names(model, n_stages, split_points=split_points)
     ids = stage_ids_for_rank(pp_rank, pp, n_stages, schedule=schedule_name)
     group = pp_mesh.get_group()
-    parts: list[nn.Module] = []
+    parts: list[Parallelized] = []
     stages: list[Any] = []
     for sid in ids:
         part = split_model_part(model, names[sid])
         # (the built-in models also offer split_for_pipeline(i, n); it keeps the same modules as this
         # generic split, which also serves user models with split points)
-        out = parallelize_fn(part)
-        part = out if out is not None else part
+        done = parallelize_fn(part)
         logger.info("pp rank %d builds stage %d/%d with %s", pp_rank, sid, n_stages, names[sid])
-        parts.append(part)
-        stages.append(PipelineStage(part, sid, n_stages, device, group=group))
+        parts.append(done)
+        stages.append(PipelineStage(done.model, sid, n_stages, device, group=group))
 
     n_mb = int(plan.microbatches_per_step)
     cls = _schedule_class(schedule_name)
@@ -381,5 +383,5 @@ def build_pipeline(
         scale_grads=False,
     )
     return PipelineRunner(
-        schedule=schedule, stages=stages, model_parts=parts, schedule_name=schedule_name, n_microbatches=n_mb
+        schedule=schedule, stages=stages, parts=parts, schedule_name=schedule_name, n_microbatches=n_mb
     )

@@ -1,4 +1,4 @@
-"""The Ray Train ``train_loop_per_worker``: runs ``workers.loop.train`` inside a Ray Train worker.
+"""The Ray Train ``train_loop_per_worker``: runs ``workers.loop.train_job`` inside a Ray Train worker.
 
 Per worker group start (an attempt):
 1. every rank all-gathers (Ray node id, pid); the TP groups (``tp`` consecutive ranks; rank order pp-outer,
@@ -15,11 +15,12 @@ Per worker group start (an attempt):
 
 Diagnostics (``workers.diagnostics``, ``workers.profiling``): every rank writes its "where am I" state to
 ``<local_checkpoint_root or tmp>/meshrun-state/<run_id>/a<attempt>/rank<r>.json`` on its node (stack dumps on
-SIGUSR1 next to it) and, when the channel actor offers ``rank_state(attempt, snapshot)``, sends the same
-snapshot there every few seconds (fire and forget). Rank 0 polls ``control()`` (if offered; else
-``should_stop()``) at each report: ``{"stop": True}`` stops every rank after the step, ``{"profile_steps": k}``
-profiles the next k steps on every rank; trace files are written on each node and, when the channel offers
-``artifact(attempt, rank, name, text)``, sent there.
+SIGUSR1 next to it) and sends the same snapshot to the channel's ``rank_state(attempt, snapshot)`` every few
+seconds (fire and forget). Rank 0 polls the channel's ``control()`` at each report: ``{"stop": True}`` stops every
+rank after the step (a cancel, a sweep's early stop), ``{"preempt": reason}`` checkpoints then stops,
+``{"profile_steps": k}`` profiles the next k steps on every rank; trace files are written on each node and sent
+to the channel's ``artifact(attempt, rank, name, text)``. Runs and sweep trials alike: one entry
+(``workers.loop.train_job``), the same hooks (``channel_hooks``).
 
 Imports ray and torch only (no fastapi, no sqlalchemy).
 """
@@ -27,28 +28,25 @@ Imports ray and torch only (no fastapi, no sqlalchemy).
 from __future__ import annotations
 
 import contextlib
-import importlib
-import inspect
 import logging
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import ray
 import ray.train
 import torch.distributed as dist
 
 from api.spec.metrics import PEAK_MEMORY_PER_RANK
+from workers.hooks import Hooks
 from workers.preemption import NOTICE, install_on_actor_main_thread
 from workers.ray_metrics import RunMetricsPublisher
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TRAIN_FN = "workers.loop:train"
 FLUSH_INTERVAL_S = 0.25  # rank 0 batches per-step rows to the run channel at most this often
 PUBLISH_INTERVAL_S = 1.0  # Ray metrics gauges (latest value) at most this often
 
@@ -79,11 +77,6 @@ def _counts(rank_nodes: list[str]) -> dict[str, int]:
     return out
 
 
-def _load(path: str) -> Callable[..., Any]:
-    mod, _, fn = path.partition(":")
-    return getattr(importlib.import_module(mod), fn)
-
-
 def _gather_objects(obj: Any) -> list[Any]:
     world = dist.get_world_size()
     out: list[Any] = [None] * world
@@ -105,130 +98,51 @@ def _publisher(run_id: str, run_name: str, rank: int) -> RunMetricsPublisher | N
         return None
 
 
-def _has_method(actor: Any, name: str) -> bool:
-    try:
-        getattr(actor, name)
-    except AttributeError:
-        return False
-    return True
+class RowSink:
+    """Rank 0's ``sink``: per-step rows to the run channel, fire and forget, in batches at most every
+    ``FLUSH_INTERVAL_S`` (never through ``ray.train.report``, a ~2 s barrier); the latest row to the Ray metrics
+    gauges at most every ``PUBLISH_INTERVAL_S``."""
 
+    def __init__(self, channel: Any, attempt: int, publisher: RunMetricsPublisher | None) -> None:
+        self.channel, self.attempt, self.publisher = channel, attempt, publisher
+        self.buffer: list[dict[str, Any]] = []
+        self.flushed_at, self.published_at = time.monotonic(), 0.0
+        self.unpublished: dict[str, Any] | None = None
 
-def _accepted(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments ``fn`` takes (a configured train function may predate the diagnostics hooks)."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return {}
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return kwargs
-    return {k: v for k, v in kwargs.items() if k in params}
-
-
-def _channel_hooks(channel: Any, attempt: int, rank: int) -> dict[str, Any]:
-    """The optional diagnostics callbacks this run's channel actor supports (see the module docstring)."""
-    hooks: dict[str, Any] = {}
-    if _has_method(channel, "rank_state"):
-        hooks["on_state"] = lambda snap: channel.rank_state.remote(attempt, snap)
-    if _has_method(channel, "artifact"):
-
-        def on_profile(first: int, last: int, paths: list[str]) -> None:
-            for path in paths:
-                name = f"profile/steps_{first:08d}-{last:08d}/{Path(path).name}"
-                channel.artifact.remote(attempt, rank, name, Path(path).read_text())
-
-        hooks["on_profile"] = on_profile
-    if rank == 0 and (_has_method(channel, "control") or _has_method(channel, "should_stop")):
-        use_control = _has_method(channel, "control")
-
-        def control() -> dict[str, Any] | None:
-            try:
-                if use_control:
-                    return ray.get(channel.control.remote(), timeout=10)
-                return {"stop": bool(ray.get(channel.should_stop.remote(), timeout=10))}
-            except Exception as e:  # a slow or lost channel must not stop training
-                logger.warning("run channel control poll failed: %s", e)
-                return None
-
-        hooks["control"] = control
-    return hooks
-
-
-def train_loop_per_worker(config: dict[str, Any]) -> None:
-    from api.spec import Plan, RunSpec
-    from workers.loop import WorkerJob
-
-    ctx = ray.train.get_context()
-    rank = ctx.get_world_rank()
-    channel = config["channel"]
-    run_id = config["run_id"]
-    spec = RunSpec.model_validate(config["spec"])
-    plan = Plan.model_validate(config["plan"])
-    if not dist.is_initialized():
-        raise RuntimeError("Ray Train did not initialise torch.distributed (TorchTrainer expected)")
-
-    # 1. where is everybody; TP groups must share a node
-    me = {
-        "rank": rank,
-        "node_id": ray.get_runtime_context().get_node_id(),
-        "pid": os.getpid(),
-        "local_rank": ctx.get_local_rank(),
-        "host": os.uname().nodename,
-    }
-    ranks = _gather_objects(me)
-    rank_nodes = [r["node_id"] for r in ranks]
-    problem = check_tp_groups(rank_nodes, plan.tp)
-
-    # 2. the attempt (rank 0 registers it; everybody learns the number)
-    attempt = None
-    if rank == 0:
-        cause = None
-        if problem:
-            cause = f"placement check failed: {problem}"
-        attempt = ray.get(channel.begin_attempt.remote({"ranks": ranks, "cause": cause}), timeout=60)
-    attempt = _broadcast(attempt)
-    if problem:
-        raise TPGroupSplitError(problem)
-    _install_preemption_handler(rank)
-
-    # 3. where to resume from
-    ckpt = ray.train.get_checkpoint()
-    resume_cm = ckpt.as_directory() if ckpt is not None else contextlib.nullcontext(config.get("resume_from"))
-    local_root = Path(config.get("local_checkpoint_root") or tempfile.gettempdir()) / "meshrun-ckpt" / run_id
-    ckpt_dir = local_root / f"a{attempt}" / f"rank{rank}"
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-
-    pub = _publisher(run_id, config.get("run_name") or run_id, rank) if rank == 0 else None
-    buffer: list[dict[str, Any]] = []
-    last: dict[str, Any] = {"flush": time.monotonic(), "publish": 0.0, "row": None}
-
-    def flush() -> None:
-        if buffer:
-            channel.metrics.remote(attempt, list(buffer))  # fire and forget
-            buffer.clear()
-        last["flush"] = time.monotonic()
-        if pub is not None and last["row"] is not None:
-            pub.publish(last["row"])
-            last["row"] = None
-
-    def sink(row: dict[str, Any]) -> None:
+    def __call__(self, row: dict[str, Any]) -> None:
         clean = {k: v for k, v in row.items() if k != PEAK_MEMORY_PER_RANK}
         per_rank = row.get(PEAK_MEMORY_PER_RANK)
         if per_rank is not None:
             clean[PEAK_MEMORY_PER_RANK] = list(per_rank)
-        buffer.append(clean)
-        last["row"] = row
+        self.buffer.append(clean)
+        self.unpublished = row
         now = time.monotonic()
-        if now - last["flush"] >= FLUSH_INTERVAL_S:
-            channel.metrics.remote(attempt, list(buffer))
-            buffer.clear()
-            last["flush"] = now
-        if pub is not None and now - last["publish"] >= PUBLISH_INTERVAL_S:
-            pub.publish(row)
-            last["publish"], last["row"] = now, None
+        if now - self.flushed_at >= FLUSH_INTERVAL_S:
+            self.channel.metrics.remote(self.attempt, list(self.buffer))
+            self.buffer.clear()
+            self.flushed_at = now
+        if self.publisher is not None and now - self.published_at >= PUBLISH_INTERVAL_S:
+            self.publisher.publish(row)
+            self.published_at, self.unpublished = now, None
+
+    def flush(self) -> None:
+        if self.buffer:
+            self.channel.metrics.remote(self.attempt, list(self.buffer))  # fire and forget
+            self.buffer.clear()
+        self.flushed_at = time.monotonic()
+        if self.publisher is not None and self.unpublished is not None:
+            self.publisher.publish(self.unpublished)
+            self.unpublished = None
+
+
+def channel_hooks(channel: Any, attempt: int, rank: int, rows: RowSink | None) -> Hooks:
+    """This rank's callbacks, all through the run's channel actor (``service.cluster.jobs.RunChannel``; see the
+    module docstring): rows (``rows``, rank 0), checkpoints to Ray Train, heartbeats, profiles, and rank 0's
+    ``control()`` poll. Runs and sweep trials get the same ones."""
 
     def on_checkpoint(step: int, path: str | None) -> None:
-        if rank == 0:
-            flush()
+        if rows is not None:
+            rows.flush()  # the rows up to the checkpoint first
         if not path:
             return
         t0 = time.perf_counter()
@@ -240,11 +154,77 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         )
         logger.info("rank %d: checkpoint of step %d reported in %.3f s", rank, step, time.perf_counter() - t0)
 
-    state_dir = local_root.parent.parent / "meshrun-state" / run_id / f"a{attempt}"
-    profile_dir = local_root.parent.parent / "meshrun-profiles" / run_id / f"a{attempt}"
-    hooks = _channel_hooks(channel, attempt, rank)
+    def on_state(snap: dict[str, Any]) -> None:
+        channel.rank_state.remote(attempt, snap)  # fire and forget
 
-    train_fn = _load(config.get("train_fn") or DEFAULT_TRAIN_FN)
+    def on_profile(first: int, last: int, paths: list[str]) -> None:
+        for path in paths:
+            name = f"profile/steps_{first:08d}-{last:08d}/{Path(path).name}"
+            channel.artifact.remote(attempt, rank, name, Path(path).read_text())
+
+    def control() -> dict[str, Any] | None:
+        try:
+            return cast(dict[str, Any], ray.get(channel.control.remote(), timeout=10))
+        except Exception as e:  # a slow or lost channel must not stop training
+            logger.warning("run channel control poll failed: %s", e)
+            return None
+
+    return Hooks(
+        sink=rows,
+        on_checkpoint=on_checkpoint,
+        control=control if rank == 0 else None,
+        on_state=on_state,
+        on_profile=on_profile,
+    )
+
+
+def register_attempt(channel: Any, plan: Any) -> int:
+    """Every rank all-gathers where it runs; the TP groups must each share a node; rank 0 registers the attempt
+    with the channel (a split TP group as its cause) and everybody learns its number. Raises on a split group."""
+    ctx = ray.train.get_context()
+    me = {
+        "rank": ctx.get_world_rank(),
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "pid": os.getpid(),
+        "local_rank": ctx.get_local_rank(),
+        "host": os.uname().nodename,
+    }
+    ranks = _gather_objects(me)
+    problem = check_tp_groups([r["node_id"] for r in ranks], plan.tp)
+    attempt = None
+    if me["rank"] == 0:
+        cause = f"placement check failed: {problem}" if problem else None
+        attempt = ray.get(channel.begin_attempt.remote({"ranks": ranks, "cause": cause}), timeout=60)
+    attempt = int(_broadcast(attempt))
+    if problem:
+        raise TPGroupSplitError(problem)
+    return attempt
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    from api.spec import Plan, RunSpec
+    from workers.loop import WorkerJob, train_job
+
+    rank = ray.train.get_context().get_world_rank()
+    channel, run_id = config["channel"], config["run_id"]
+    spec = RunSpec.model_validate(config["spec"])
+    plan = Plan.model_validate(config["plan"])
+    if not dist.is_initialized():
+        raise RuntimeError("Ray Train did not initialise torch.distributed (TorchTrainer expected)")
+    attempt = register_attempt(channel, plan)
+    _install_preemption_handler(rank)
+
+    # where to resume from (Ray Train's latest checkpoint after a failure, else the user's), where files go
+    ckpt = ray.train.get_checkpoint()
+    resume_cm = ckpt.as_directory() if ckpt is not None else contextlib.nullcontext(config.get("resume_from"))
+    root = Path(config.get("local_checkpoint_root") or tempfile.gettempdir())
+    ckpt_dir = root / "meshrun-ckpt" / run_id / f"a{attempt}" / f"rank{rank}"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    state_dir = root / "meshrun-state" / run_id / f"a{attempt}"
+    profile_dir = root / "meshrun-profiles" / run_id / f"a{attempt}"
+
+    rows = RowSink(channel, attempt, _publisher(run_id, config.get("run_name") or run_id, rank)) if rank == 0 else None
+    hooks = channel_hooks(channel, attempt, rank, rows)
     try:
         with resume_cm as resume_from:
             if resume_from:
@@ -259,11 +239,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 state_dir=str(state_dir),
                 profile_dir=str(profile_dir),
             )
-            summary = train_fn(job, sink=sink, on_checkpoint=on_checkpoint, **_accepted(train_fn, hooks))
+            summary = train_job(job, hooks)
     finally:
         NOTICE.finish()  # the loop is over: a SIGTERM now is the worker group's shutdown, not a preemption notice
-        if rank == 0:
-            flush()  # also the rows before a failure
+        if rows is not None:
+            rows.flush()  # also the rows before a failure
         shutil.rmtree(ckpt_dir, ignore_errors=True)
     with contextlib.suppress(OSError):
         (state_dir / f"rank{rank}.json").unlink()  # kept after a failure, for diagnosis

@@ -27,7 +27,6 @@ log = logging.getLogger(__name__)
 
 PASS_THROUGH_ENV = (
     "MESHRUN_TORCH_TIMEOUT_S",
-    "MESHRUN_TRAIN_FN",
     "MESHRUN_PG_TIMEOUT_S",
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S",
 )

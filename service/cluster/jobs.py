@@ -128,7 +128,7 @@ class RunChannel:
     def should_stop(self) -> bool:
         return self.stop_requested
 
-    # diagnostics (``workers.ray_worker._channel_hooks``): heartbeats, artifacts, control of rank 0
+    # diagnostics (``workers.ray_worker.channel_hooks``): heartbeats, artifacts, control of rank 0
     def rank_state(self, attempt: int, snapshot: dict[str, Any]) -> None:
         if attempt == self.attempt:
             self.states[int(snapshot.get("rank", -1))] = snapshot

@@ -6,42 +6,30 @@ node pinning) or else from the plan's worker resources, ``FailureConfig(max_fail
 submission (``train_run_name``), checkpoints kept per the spec, a short ``TorchConfig.timeout_s``, and the
 ``ChannelCallback`` that forwards checkpoints and worker errors to the run's channel.
 
-The workers run ``workers.ray_worker.train_loop_per_worker``, which calls the train function named in the config:
-``workers.loop:train`` by default; ``MESHRUN_TRAIN_FN=pkg.module:function`` (in the service's environment, passed
-to every job) replaces it for debugging (same signature). A *stoppable* trainer (sweep trials) runs
-``train_stoppable``: the same function with ``stop=`` polling the run channel's ``should_stop``, so a trial can be
-asked to stop after its current step.
+The workers run ``workers.ray_worker.train_loop_per_worker``, which calls ``workers.loop.train_job`` with the run
+channel's hooks (heartbeats for the hang watch, per-rank breakdowns for the straggler watch, profiles, and
+``control()``: stop, preempt, profile). Runs and sweep trials get the same entry and the same hooks; a trial is asked
+to stop (a sweep's early stop, a cancel) through its channel like any run. ``stoppable=True`` (sweep trials) only
+makes a worker group that cannot start fail the trial at once instead of being retried.
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import os
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import ray
 from ray.actor import ActorHandle
 from ray.train import CheckpointConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.v2.api.config import FailureConfig  # Train V2 (the default): has controller_failure_limit
 
 from api.spec import Plan, RunSpec
-from service.cluster.jobs import ChannelCallback, channel_name
+from service.cluster.jobs import ChannelCallback
 from service.cluster.placement import Placement, slot_description, worker_resources
 from service.settings import Settings
 
-if TYPE_CHECKING:
-    from workers.loop import WorkerJob
-
 TORCH_TIMEOUT_S = int(os.environ.get("MESHRUN_TORCH_TIMEOUT_S", "120"))
-TRAIN_FN_ENV = "MESHRUN_TRAIN_FN"
-DEFAULT_TRAIN_FN = "workers.loop:train"
-STOPPABLE_TRAIN_FN = "service.runs.trainer:train_stoppable"
-STOP_POLL_S = 0.5
 
 
 def train_run_name(run_id: str, submission: int) -> str:
@@ -100,7 +88,6 @@ def build_trainer(
         "channel": channel,
         "resume_from": resume_from,
         "local_checkpoint_root": str(Path(settings.data_dir) / "tmp"),
-        "train_fn": STOPPABLE_TRAIN_FN if stoppable else (os.environ.get(TRAIN_FN_ENV) or None),
     }
     return _Trainer(
         train_loop_per_worker,
@@ -139,46 +126,3 @@ class _Trainer(TorchTrainer):
         except ImportError:  # pragma: no cover - another Ray: keep its callbacks as they are
             return callbacks
         return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
-
-
-def _load(path: str) -> Callable[..., Any]:
-    mod, _, fn = path.partition(":")
-    loaded: Callable[..., Any] = getattr(importlib.import_module(mod), fn)
-    return loaded
-
-
-def train_stoppable(
-    job: WorkerJob,
-    *,
-    sink: Callable[[dict[str, Any]], None] | None = None,
-    on_checkpoint: Callable[[int, str | None], None] | None = None,
-) -> dict[str, Any]:
-    """A stoppable trainer's train function (in each Ray Train worker): the configured one (``MESHRUN_TRAIN_FN`` or
-    ``workers.loop:train``) with ``stop=``, which polls the run channel's ``should_stop`` (a sweep's early stop or
-    a cancelled trial run); the loop all-gathers the votes, so all ranks stop after the same step. A configured
-    function without a ``stop`` parameter runs as is (it cannot be stopped early, only ended)."""
-    path = os.environ.get(TRAIN_FN_ENV) or DEFAULT_TRAIN_FN
-    inner = _load(DEFAULT_TRAIN_FN if path == STOPPABLE_TRAIN_FN else path)
-    try:
-        takes_stop = "stop" in inspect.signature(inner).parameters
-    except (TypeError, ValueError):
-        takes_stop = False
-    result: dict[str, Any]
-    if not takes_stop:
-        result = inner(job, sink=sink, on_checkpoint=on_checkpoint)
-        return result
-    channel = ray.get_actor(channel_name(job.run_id))
-    state = {"at": 0.0, "stop": False}
-
-    def stop() -> bool:
-        now = time.monotonic()
-        if not state["stop"] and now - state["at"] >= STOP_POLL_S:
-            state["at"] = now
-            try:
-                state["stop"] = bool(ray.get(channel.should_stop.remote(), timeout=10))
-            except Exception:
-                pass
-        return bool(state["stop"])
-
-    result = inner(job, sink=sink, on_checkpoint=on_checkpoint, stop=stop)
-    return result

@@ -190,6 +190,8 @@ def run_trial(config: dict[str, Any]) -> None:
         warmup_steps=tr.warmup_steps,
         train_run_name=name,
         checkpoint_keep=tr.spec.checkpoint.keep,
+        data_dir=str(settings.data_dir),  # the hang watch's stack dumps, as for a run
+        hang_timeout_s=tr.spec.resources.hang_timeout_s,
     )
     if not life.start(f"trial driver started (Tune trial {tune_trial_id})"):  # cancelled since its admission
         with session_scope(factory) as s:

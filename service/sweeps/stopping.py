@@ -2,7 +2,8 @@
 
 ``SlowTrialStopper`` decides (``decide`` is pure apart from its own bookkeeping); ``GracefulStop`` acts: it writes
 the reason on the trial and asks the trial's workers, through its run's channel actor, to stop after their current
-step (``service.runs.trainer.train_stoppable``), so the Train run ends normally and releases its placement group.
+step (rank 0 polls the channel's ``control()`` at each report, ``workers.ray_worker``), so the Train run ends
+normally and releases its placement group.
 """
 
 from __future__ import annotations

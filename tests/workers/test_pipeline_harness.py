@@ -149,7 +149,7 @@ def train_local(
             )
             parts = list(runner.model_parts)
         else:
-            parts = [pfn(model)]
+            parts = [pfn(model).model]
     else:
         parts = [materialize(model, device="cpu", seed=spec.train.seed)]
     dp_group = dims.mesh["dp_replicate"].get_group() if (dims is not None and plan.zero_stage == 1) else None
