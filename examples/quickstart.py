@@ -64,10 +64,11 @@ else:
         print("best layout:", best.spec.layout, "->", best.wait(progress=True).status.value)
 
 # %% stop a run after its first checkpoint, then resume it on another layout (the checkpoint is resharded)
-ck = client.runs.create(HERE / "zero3.yaml", overrides=["train.steps=40", "checkpoint.every_steps=5"])
+ck = client.runs.create(HERE / "zero3.yaml", overrides=["train.steps=400", "checkpoint.every_steps=5"])
 while not ck.checkpoints() and not ck.refresh().done:
-    time.sleep(1)
+    time.sleep(0.5)
 ck.cancel()
-resumed = ck.resume(layout="dp=1,tp=2", steps=15).wait(progress=True)
-print(resumed.status.value, "attempts:", resumed.attempts, "summary:", resumed.summary)
+last = max(c.step for c in ck.checkpoints())  # the run may have saved more than one before the cancel landed
+resumed = ck.resume(layout="dp=1,tp=2", steps=last + 10).wait(progress=True)
+print(resumed.id, resumed.status.value, "attempts:", resumed.attempts, "summary:", resumed.summary)
 client.close()

@@ -1,6 +1,8 @@
-"""The one error base of the service. Every error the service raises on purpose is a ``MeshrunError``: it carries
+"""The one error base of the service. Every error the service raises on purpose is a ``ServiceError``: it carries
 the HTTP status, a stable ``code``, a message that says what to do and the ``param`` (dotted field) it is about.
-``service.app.errors`` maps them onto the API's one error body in one handler; nothing else needs mapping.
+``service.app.errors`` maps them onto the API's one error body in one handler; nothing else needs mapping. The
+routes' transport errors (``service.app.errors.ApiError``: 401, 413, 429, bad query parameters) are ServiceErrors
+too. (The SDK's ``api.sdk.MeshrunError`` is the client side: what a caller of the API catches.)
 
 ``api.spec.SpecError`` (a spec that cannot run) lives in the contract because the SDK and the workers raise it
 too; the service maps it to 422 beside these.
@@ -11,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 
-class MeshrunError(Exception):
+class ServiceError(Exception):
     """Base of the service's errors. Subclasses set ``status_code`` and ``code``; instances may override both."""
 
     status_code: int = 500
@@ -26,41 +28,41 @@ class MeshrunError(Exception):
         status_code: int | None = None,
         headers: Mapping[str, str] | None = None,
     ):
-        super().__init__(message)
+        Exception.__init__(self, message)  # not super(): ApiError also derives from Starlette's HTTPException
         self.message = message
         self.param = param
         if code is not None:
             self.code = code
         if status_code is not None:
             self.status_code = status_code
-        self.headers = dict(headers) if headers else None
+        self.headers: Mapping[str, str] | None = dict(headers) if headers else None
 
 
-class NotFound(MeshrunError):
+class NotFound(ServiceError):
     """404: no such resource (or it belongs to another project: nothing leaks)."""
 
     status_code, code = 404, "not_found"
 
 
-class Conflict(MeshrunError):
+class Conflict(ServiceError):
     """409: the resource's current state does not allow this."""
 
     status_code, code = 409, "conflict"
 
 
-class Forbidden(MeshrunError):
+class Forbidden(ServiceError):
     """403: the caller's token may not do this."""
 
     status_code, code = 403, "forbidden"
 
 
-class InvalidRequest(MeshrunError):
+class InvalidRequest(ServiceError):
     """422: a value the service refuses; ``param`` names it and the message says what to use instead."""
 
     status_code, code = 422, "invalid_value"
 
 
-class Unavailable(MeshrunError):
+class Unavailable(ServiceError):
     """503: a backend the request needs (Ray, the database) is down or busy; retry later."""
 
     status_code, code = 503, "unavailable"

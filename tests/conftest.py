@@ -9,6 +9,11 @@
   ``create_app(Settings(ray_address=<that cluster>, data_dir=tmp, database_url=sqlite))`` with the scheduler
   on. Has ``.url``, ``.settings``, ``.app`` (``.app.state.runtime``), ``.session_factory``.
 - ``pg_url`` lives in tests/api (PostgreSQL-specific tests).
+
+The quick lane: every test not marked ``ray``, ``browser``, ``slow`` or ``postgres`` and not using ``ray_cluster`` or
+``live_service`` (directly or through another fixture) is marked ``quick`` here, so ``python -m pytest -m quick``
+runs the unit and API tests that need no Ray cluster, no browser and no PostgreSQL. The terminal summary ends with
+the lane's test count and wall time.
 """
 
 from __future__ import annotations
@@ -87,6 +92,66 @@ def _kill_leftover_groups() -> None:
             except ProcessLookupError:
                 pass
     _write(keep)
+
+
+# ------------------------------------------------------------------------------------------------ lanes
+HEAVY_MARKS = ("ray", "browser", "slow", "postgres")
+HEAVY_FIXTURES = ("ray_cluster", "live_service")
+# Unit tests too slow for the quick lane (marked ``slow`` here, so they run in the full suite only): mypy over the
+# tree, and tests that start a Python process importing torch (a launcher, a spawned rank, an import check) or a
+# service process. Each took 20-400 s on the shared 2-core machine under load (the rest of the lane: under 10 s).
+# A name that stops matching only puts its test back in the quick lane.
+SLOW_UNIT_TESTS = (
+    "tests/test_types.py::test_mypy_finds_nothing_in_api_service_and_workers",
+    "tests/workers/test_diagnostics.py::test_profile_on_request_profiles_the_next_steps",
+    "tests/workers/test_diagnostics.py::test_kill_rank_kills_the_process_at_the_step",
+    "tests/workers/test_launcher.py::test_launcher_writes_metrics_jsonl_and_checkpoints",
+    "tests/workers/test_launcher.py::test_stop_callback_and_on_checkpoint",
+    "tests/workers/test_launcher.py::test_bad_spec_exits_2_and_names_the_field",
+    "tests/workers/test_launcher.py::test_world_size_mismatch_says_how_to_launch",
+    "tests/workers/test_startup.py::test_a_run_without_pp_or_zero_imports_neither",
+    "tests/workers/test_models.py::test_workers_import_torch_only",
+    "tests/workers/test_compile.py::test_compile_wraps_every_block_in_place_and_keeps_parameter_names",
+    "tests/workers/test_checkpoint.py::test_single_process_resume_is_exact_without_a_process_group",
+    "tests/byo/test_user_code.py::test_inspect_cli_runs_user_code_in_a_subprocess",
+    "tests/byo/test_user_code.py::test_service_inspection_updates_the_plan",
+    "tests/byo/test_shipping.py::test_standalone_launcher_takes_the_code_dir",
+    "tests/cli/test_cli.py::test_serve_prints_the_console_url_and_serves_it",
+)
+_session = {"start": 0.0, "ran": 0}
+
+
+# Not trylast: pytest's `-m` deselection is a plain hook of a builtin plugin, and plain hooks run last-registered
+# first, so this runs after the subfolders' conftests (which add ray/browser marks by path) and before `-m`.
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.split("[")[0] in SLOW_UNIT_TESTS:
+            item.add_marker(pytest.mark.slow)
+        if any(item.get_closest_marker(m) for m in HEAVY_MARKS):
+            continue
+        if any(f in getattr(item, "fixturenames", ()) for f in HEAVY_FIXTURES):
+            continue
+        item.add_marker(pytest.mark.quick)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _session["start"] = time.monotonic()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call" or (report.when == "setup" and not report.passed):
+        _session["ran"] += 1
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    markexpr = (config.getoption("markexpr", "") or "").strip()
+    whole = config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.getoption("keyword", "")
+    lane = "selected tests"
+    if whole and markexpr in ("quick", ""):
+        lane = "quick lane" if markexpr else "full suite"
+    wall = time.monotonic() - _session["start"]
+    terminalreporter.write_line(f"meshrun: {lane} {_session['ran']} tests in {wall:.1f} s "
+                                f"({time.strftime('%H:%M:%S', time.gmtime(wall))})")
 
 
 # ------------------------------------------------------------------------------------------------- ray

@@ -27,7 +27,11 @@ class ModelSpec(_Spec):
     (``entrypoint: "pkg.module:function"`` returning a ``torch.nn.Module``)."""
 
     name: str = Field("gpt", description="Built-in model family: 'gpt' or 'mlp'; 'custom' with an entrypoint.")
-    preset: str | None = Field("tiny", description="Preset of the family (see api.presets); null = give all sizes.")
+    preset: str | None = Field(
+        "tiny",
+        description="Preset of the family: gpt tiny, small, 125m, 350m, 1.3b, 2.7b, 7b, 13b, 70b or 175b; mlp tiny or "
+        "small (api/spec/presets.py). null = give all sizes.",
+    )
     n_layers: int | None = Field(None, ge=1, le=MAX_LAYERS)
     d_model: int | None = Field(None, ge=1, le=MAX_D_MODEL)
     n_heads: int | None = Field(None, ge=1, le=MAX_HEADS)

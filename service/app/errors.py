@@ -8,14 +8,15 @@ exception                               status  code
 malformed JSON / YAML body              400     ``malformed_body``
 RequestValidationError, ValidationError 422     ``invalid_value`` / ``missing_field`` / ``unknown_field``
 api.spec.SpecError                      422     its code (``invalid_spec``, ``unknown_preset``, ...)
-service.errors.MeshrunError (any)       its     its code (NotFound 404, Conflict 409, PolicyViolation
-                                                403/422, RunRefused 422, Unavailable 503, ...)
-ApiError (transport: 401/413/429/...)   its     its code
+service.errors.ServiceError (any)       its     its code (NotFound 404, Conflict 409, PolicyViolation
+                                                403/422, RunRefused 422, Unavailable 503, and ApiError:
+                                                the routes' 401/413/429/422 on query parameters, ...)
 HTTPException (404 route, 405, ...)     any     derived from the status
 sqlalchemy DataError / OperationalError 422/503 ``invalid_value`` / ``database_unavailable``
 anything else                           500     ``internal_error`` (logged with its traceback; never in the body)
 ======================================  ======  =========================================================
 
+Every error raised on purpose is a ``ServiceError`` and goes through one handler (``service_error_response``).
 ``error_responses(*statuses)`` documents them in OpenAPI (use it in ``responses=`` of routers and routes).
 """
 
@@ -38,7 +39,7 @@ from api import spec as schemas
 from api.spec import ErrorBody
 from api.spec.messages import describe_errors
 from api.spec.validation import SpecError
-from service.errors import MeshrunError
+from service.errors import ServiceError
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +75,10 @@ _DESCRIPTIONS: dict[int, str] = {
 }
 
 
-class ApiError(StarletteHTTPException):
-    """An error a route raises on purpose. Subclasses HTTPException so FastAPI's body parsing passes it through."""
+class ApiError(ServiceError, StarletteHTTPException):
+    """A transport error a route or middleware raises on purpose (status first). A ``ServiceError`` like the rest;
+    also an HTTPException so that FastAPI's body parsing re-raises it (the 413 of a streamed body) instead of
+    turning it into a 400."""
 
     def __init__(
         self,
@@ -86,10 +89,15 @@ class ApiError(StarletteHTTPException):
         param: str | None = None,
         headers: Mapping[str, str] | None = None,
     ):
-        super().__init__(status_code=status_code, detail=message, headers=dict(headers) if headers else None)
-        self.code = code or STATUS_CODES.get(status_code, "error")
-        self.message = message
-        self.param = param
+        StarletteHTTPException.__init__(self, status_code=status_code, detail=message)
+        ServiceError.__init__(
+            self,
+            message,
+            param=param,
+            code=code or STATUS_CODES.get(status_code, "error"),
+            status_code=status_code,
+            headers=headers,
+        )
 
 
 class SafeJSONResponse(JSONResponse):
@@ -150,13 +158,16 @@ async def _spec_error(request: Request, exc: SpecError) -> JSONResponse:
     return error_response(422, first.code, message, first.param)
 
 
-async def _meshrun_error(request: Request, exc: MeshrunError) -> JSONResponse:
+def service_error_response(exc: ServiceError) -> JSONResponse:
+    """The one mapping of a ServiceError onto HTTP: its status, headers and error body."""
     return error_response(exc.status_code, exc.code, exc.message, exc.param, headers=exc.headers)
 
 
+async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
+    return service_error_response(exc)
+
+
 async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    if isinstance(exc, ApiError):
-        return error_response(exc.status_code, exc.code, exc.message, exc.param, headers=exc.headers)
     code = STATUS_CODES.get(exc.status_code, "error")
     detail = exc.detail if isinstance(exc.detail, str) else "request failed"
     if exc.status_code == 404 and detail == "Not Found":
@@ -236,7 +247,8 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _request_validation)  # type: ignore[arg-type]
     app.add_exception_handler(ValidationError, _pydantic_validation)  # type: ignore[arg-type]
     app.add_exception_handler(SpecError, _spec_error)  # type: ignore[arg-type]
-    app.add_exception_handler(MeshrunError, _meshrun_error)  # type: ignore[arg-type]
+    # every ServiceError, ApiError included (its MRO names ServiceError before HTTPException)
+    app.add_exception_handler(ServiceError, _service_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_exception)  # type: ignore[arg-type]
     app.add_exception_handler(DataError, _data_error)  # type: ignore[arg-type]
     app.add_exception_handler(OperationalError, _operational_error)  # type: ignore[arg-type]

@@ -313,7 +313,7 @@ def _refuse_scrape(request: Request, settings: Settings | None) -> Response | No
     a live admin API token (verified like every API request, see ``service.app.deps.principal_from_secret``)."""
     if settings is None or not settings.auth_enabled:
         return None
-    from service.app.errors import ApiError, error_response
+    from service.app.errors import ApiError, error_response, service_error_response
 
     scheme, _, secret = request.headers.get("authorization", "").partition(" ")
     secret = secret.strip() if scheme.lower() == "bearer" else ""
@@ -337,7 +337,7 @@ def _refuse_scrape(request: Request, settings: Settings | None) -> Response | No
     try:
         principal = principal_from_secret(request, secret)
     except ApiError as exc:
-        return error_response(exc.status_code, exc.code, exc.message, exc.param, headers=exc.headers)
+        return service_error_response(exc)
     if not principal.admin:
         return error_response(
             403,

@@ -25,7 +25,7 @@ import re
 from pathlib import PurePosixPath
 from urllib.parse import unquote
 
-from service.errors import MeshrunError
+from service.errors import ServiceError
 from service.settings import Settings
 
 _SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):")  # two letters or more: "C:" is a drive, not a scheme
@@ -40,7 +40,7 @@ _SAFE_PROJECT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 MAX_DECODE_ROUNDS = 4
 
 
-class PolicyViolation(MeshrunError):
+class PolicyViolation(ServiceError):
     """403 (``forbidden``: user code without permission) or 422 (``invalid_path``: a path or URL not allowed)."""
 
     def __init__(self, status_code: int, code: str, message: str, param: str | None = None):

@@ -1,5 +1,5 @@
 """The SDK against a live uvicorn running the real API (SQLite, no scheduler). Worker progress is played
-through the store (FakeWorker) so the lifecycle runs in seconds; real training is in test_ray_lifecycle.py."""
+through the store (FakeWorker) so the lifecycle runs in seconds; real training is in tests/cli/test_quickstart.py."""
 
 from __future__ import annotations
 
