@@ -26,7 +26,22 @@ _SHELL_LINE = re.compile(r"^\s*(meshrun [a-z][^#\n]*)", re.M)
 
 
 def _fenced_blocks(text: str) -> list[str]:
-    return re.findall(r"```(?:bash|sh|console|shell)?\n(.*?)```", text, re.S)
+    """The shell blocks of a Markdown text: fences are paired in order (an opening fence, then its closing one),
+    so the prose between two blocks is never read as one."""
+    blocks: list[str] = []
+    lang: str | None = None  # None: outside a fence
+    body: list[str] = []
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            if lang is None:
+                lang, body = line.strip()[3:].strip(), []
+            else:
+                if lang in ("", "bash", "sh", "console", "shell"):
+                    blocks.append("\n".join(body) + "\n")
+                lang = None
+        elif lang is not None:
+            body.append(line)
+    return blocks
 
 
 def mentions() -> list[tuple[str, str]]:
