@@ -40,10 +40,10 @@ from api.sdk import (
     MeshrunError,
     NotFoundError,
     RunStatus,
-    layout_str,
     parse_layout,
 )
 from api.sdk._specs import apply_overrides
+from api.spec import layout_label
 
 
 def _peak_from_metrics(run: Any) -> int | None:
@@ -69,7 +69,7 @@ def print_summary(run: Any, console: Console | None = None) -> None:
     t.add_column()
     t.add_row("run", f"{run.id} ({run.name})")
     t.add_row("status", _status(run.status) + (f"  {_escape(run.status_reason)}" if run.status_reason else ""))
-    t.add_row("layout", layout_str(run.spec.layout) + (f"  world {run.plan.world_size}" if run.plan else ""))
+    t.add_row("layout", layout_label(run.spec.layout) + (f"  world {run.plan.world_size}" if run.plan else ""))
     if s is not None:
         t.add_row("steps", f"{s.steps_done}/{run.spec.train.steps}")
         t.add_row("final loss", _num(s.final_loss))
@@ -138,7 +138,7 @@ def submit(
             emit_json(run)
         else:
             out().print(
-                f"submitted [bold]{run.id}[/] ({run.name}) {_status(run.status)}  {layout_str(run.spec.layout)}"
+                f"submitted [bold]{run.id}[/] ({run.name}) {_status(run.status)}  {layout_label(run.spec.layout)}"
             )
             for w in run.plan.warnings if run.plan else []:
                 err().print(f"[yellow]warning:[/] {_escape(w)}")
@@ -146,7 +146,7 @@ def submit(
             err().print(f"follow it with: meshrun show {run.id} | meshrun logs {run.id} --follow")
         return
     if not as_json:
-        err().print(f"submitted [bold]{run.id}[/] ({run.name}) {layout_str(run.spec.layout)}")
+        err().print(f"submitted [bold]{run.id}[/] ({run.name}) {layout_label(run.spec.layout)}")
         err().print(f"console: {console_link(client, run.id)}")
     try:
         run = client.runs.wait(run.id, progress=err() if (progress and not as_json) else False, timeout=timeout)
@@ -193,7 +193,7 @@ def runs(
             r.id,
             r.name,
             _status(r.status),
-            layout_str(r.spec.layout),
+            layout_label(r.spec.layout),
             f"{s.steps_done if s else '-'}/{r.spec.train.steps}",
             _num(s.final_loss if s else None),
             _rate(s.mean_tokens_per_s if s else None),
@@ -440,6 +440,6 @@ def resume(
     elif wait:
         print_summary(run)
     else:
-        out().print(f"resumed {run.id} {_status(run.status)}  {layout_str(run.spec.layout)}")
+        out().print(f"resumed {run.id} {_status(run.status)}  {layout_label(run.spec.layout)}")
     if wait:
         raise typer.Exit(_exit_for_run(run))

@@ -42,10 +42,10 @@ from api.sdk import (
     APIConnectionError,
     Client,
     MeshrunError,
-    layout_str,
     load_file,
 )
 from api.sdk._specs import apply_overrides
+from api.spec import layout_label
 
 
 # --------------------------------------------------------------------------------------------- service
@@ -173,7 +173,7 @@ def demo(
                 raise
         run = client.runs.create(body)
         console.print(
-            f"submitted [bold]{run.id}[/] ({run.name}): {layout_str(run.spec.layout)}, {run.spec.train.steps} steps"
+            f"submitted [bold]{run.id}[/] ({run.name}): {layout_label(run.spec.layout)}, {run.spec.train.steps} steps"
         )
         if run.dashboard_url is None:
             try:

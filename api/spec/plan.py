@@ -3,6 +3,7 @@ breakdowns, ``PlanRequest``/``PlanResponse``, the ``ClusterSpec`` to plan for)."
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, Literal
 
@@ -152,7 +153,17 @@ class Plan(_Public):
         return self.layout.pp_stages_total
 
 
-def _layout_of_flat(data: dict[str, Any]) -> dict[str, Any]:
+def layout_of(plan: Plan | Mapping[str, Any]) -> ResolvedLayout:
+    """The resolved layout of a plan or of its JSON (a stored plan; one stored before ``Plan.layout`` existed, or
+    a mapping of bare degrees, reads its flat degrees)."""
+    if isinstance(plan, Plan):
+        return plan.layout
+    if plan.get("layout") is not None:
+        return ResolvedLayout.model_validate(plan["layout"])
+    return ResolvedLayout.model_validate(_layout_of_flat(plan))
+
+
+def _layout_of_flat(data: Mapping[str, Any]) -> dict[str, Any]:
     """The layout of a plan's flat degrees (a plan stored before ``Plan.layout``); checks they add up."""
     zero = int(data.get("zero_stage", 0))
     pp, tp = int(data.get("pp", 1)), int(data.get("tp", 1))
