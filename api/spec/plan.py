@@ -167,7 +167,8 @@ def _layout_of_flat(data: Mapping[str, Any]) -> dict[str, Any]:
     """The layout of a plan's flat degrees (a plan stored before ``Plan.layout``); checks they add up."""
     zero = int(data.get("zero_stage", 0))
     pp, tp = int(data.get("pp", 1)), int(data.get("tp", 1))
-    dp = int(data.get("dp", 1))
+    world = data.get("world_size")
+    dp = int(data["dp"]) if "dp" in data else max(1, int(world or 1) // (pp * tp))  # bare degrees: world + tp
     dpr, dps = data.get("dp_replicate"), data.get("dp_shard")
     if dpr is None or dps is None:
         dpr, dps = (1, dp) if zero >= 2 else (dp, 1)
@@ -175,7 +176,6 @@ def _layout_of_flat(data: Mapping[str, Any]) -> dict[str, Any]:
     total = data.get("pp_stages_total")
     if total and int(total) % pp == 0:
         out["pp_virtual_stages"] = int(total) // pp
-    world = data.get("world_size")
     if world is not None and int(world) != pp * int(dpr) * int(dps) * tp:
         raise ValueError(
             f"world_size={world} but pp x dp_replicate x dp_shard x tp = {pp} x {dpr} x {dps} x {tp}; "
