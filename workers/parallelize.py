@@ -3,8 +3,9 @@
 Order (torchtitan): materialise (unless FSDP on meta) -> TP (+SP) -> activation checkpointing -> FSDP2/DDP
 -> materialise (meta path). Each ``apply_*`` takes (model, mesh/group, a few plain arguments).
 
-Data-parallel flavour by ``plan.zero_stage`` (``layout.sync`` local_sgd / diloco: nothing across the replicas,
-FSDP over each replica's shard group for zero_stage 2/3; ``workers.periodic`` averages them):
+Data-parallel flavour: the plan's resolved layout decides it (``ResolvedLayout.dp_wrapper``, ``hsdp``; by
+``zero_stage``; ``layout.sync`` local_sgd / diloco: nothing across the replicas, FSDP over each replica's shard
+group for zero_stage 2/3; ``workers.periodic`` averages them):
 - 0: DDP (``grad_compression`` hooks) when the model is otherwise unsharded; with tp > 1 or pp > 1, FSDP2
   on the 2-D (dp_replicate, dp_shard=1) mesh, i.e. replicated parameters with all-reduced gradients (DDP
   does not take DTensor parameters).
@@ -266,16 +267,12 @@ def parallelize_model(
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     seed = spec.train.seed
-    lay = spec.layout
+    lay = plan.layout  # degrees and flavours, resolved once
     on_meta = any(p.is_meta for p in model.parameters())
     dtype = _DTYPES[spec.precision]
     block_classes = spec.model.block_classes
 
-    periodic = lay.sync in ("local_sgd", "diloco")  # replicas step alone (workers.periodic averages them)
-    use_fsdp = plan.zero_stage >= 2 or (
-        not periodic and plan.zero_stage == 0 and dims.dp_enabled and (dims.tp_enabled or dims.pp_enabled)
-    )
-    use_ddp = not use_fsdp and dims.dp_enabled and not periodic
+    use_fsdp, use_ddp = lay.dp_wrapper == "fsdp", lay.dp_wrapper == "ddp"
     nbytes = sum(p.numel() for p in model.parameters()) * 4
     if init_on_meta is None:
         init_on_meta = use_fsdp and nbytes > meta_init_bytes()
@@ -303,12 +300,10 @@ def parallelize_model(
     if spec.compile:
         apply_compile(model, block_classes=block_classes)
     if use_fsdp:
-        hsdp = dims.dp_replicate > 1 and not periodic  # periodic modes: FSDP inside each replica only
-        mesh = dims.mesh["dp_replicate", "dp_shard"] if hsdp else dims.mesh["dp_shard"]
         model = apply_fsdp(
             model,
-            mesh,
-            reshard_after_forward=plan.zero_stage != 2,
+            dims.fsdp_mesh,  # HSDP's 2-D mesh, or the shard dim (periodic modes: inside each replica only)
+            reshard_after_forward=lay.reshard_after_forward,
             param_dtype=dtype,
             cpu_offload=lay.cpu_offload,
             block_classes=block_classes,
@@ -317,7 +312,7 @@ def parallelize_model(
         model = apply_ddp(
             model,
             dims.mesh["dp_replicate"].get_group(),
-            compression=lay.grad_compression if plan.zero_stage == 0 else "none",
+            compression=lay.ddp_compression,
             device=device,
         )
     if init_on_meta:

@@ -50,7 +50,7 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 class PeriodicAverager:
     def __init__(self, model_parts: list[nn.Module], *, dims: ParallelDims, spec: RunSpec) -> None:
-        lay = spec.layout
+        lay = dims.layout  # the resolved layout's flavours (the outer optimizer is the spec's optimizer config)
         self.every = lay.sync_every_steps
         self.last_step = spec.train.steps
         self.group = dims.mesh["dp_replicate"].get_group()
@@ -58,7 +58,7 @@ class PeriodicAverager:
         with torch.no_grad():
             self.params = [_local(p.data) for m in model_parts for p in m.parameters() if p.requires_grad]
             self.anchor = [t.detach().clone().float() for t in self.params]
-        outer = lay.outer_optimizer
+        outer = spec.layout.outer_optimizer
         if lay.sync == "local_sgd":
             lr, momentum, nesterov = 1.0, 0.0, False
         else:

@@ -26,10 +26,10 @@ from api.cli._common import (
     out,
 )
 from api.sdk import (
-    layout_str,
     parse_layout,
 )
 from api.sdk._specs import apply_overrides
+from api.spec import layout_label
 
 # ------------------------------------------------------------------------------------------------ plans
 BREAKDOWN_TERMS = (
@@ -86,7 +86,7 @@ def plan_table(resp: Any, *, show_rejected: bool = False) -> Table:
     for i, c in enumerate(rows, 1):
         t.add_row(
             str(i),
-            layout_str(c.layout),
+            layout_label(c.layout),
             str(c.micro_batch_size),
             c.activation_checkpointing,
             _gib(c.memory_bytes.total),
@@ -236,7 +236,7 @@ def validate(
     pred = p.predicted
     fits = f", predicted {_gib(pred.memory_bytes.total)} GiB/rank" if pred is not None else ""
     out().print(
-        f"[green]valid[/] ({where}) {spec.name}: {layout_str(spec.layout)}  world {p.world_size}, "
+        f"[green]valid[/] ({where}) {spec.name}: {layout_label(spec.layout)}  world {p.world_size}, "
         f"{p.model.n_params:,} params, {p.microbatches_per_step} micro-batches/step, "
         f"{p.tokens_per_step:,} tokens/step{fits}",
         soft_wrap=True,

@@ -41,10 +41,10 @@ from api.sdk import (
     MeshrunError,
     NotFoundError,
     RunStatus,
-    layout_str,
     parse_layout,
 )
 from api.sdk._specs import apply_overrides
+from api.spec import layout_label
 from api.spec.units import format_bytes
 
 
@@ -74,7 +74,7 @@ def print_summary(run: Any, console: Console | None = None) -> None:
     s = run.summary
     rows: list[tuple[str, str]] = [("run", _escape(f"{run.id} ({run.name})"))]
     rows.append(("status", _status(run.status) + (f"  {_escape(run.status_reason)}" if run.status_reason else "")))
-    rows.append(("layout", layout_str(run.spec.layout) + (f"  world {run.plan.world_size}" if run.plan else "")))
+    rows.append(("layout", layout_label(run.spec.layout) + (f"  world {run.plan.world_size}" if run.plan else "")))
     if s is not None:
         rows.append(("steps", f"{s.steps_done}/{run.spec.train.steps}"))
         rows.append(("final loss", _num(s.final_loss)))
@@ -145,7 +145,7 @@ def submit(
             emit_json(run)
         else:
             out().print(
-                f"submitted [bold]{run.id}[/] ({run.name}) {_status(run.status)}  {layout_str(run.spec.layout)}"
+                f"submitted [bold]{run.id}[/] ({run.name}) {_status(run.status)}  {layout_label(run.spec.layout)}"
             )
             for w in run.plan.warnings if run.plan else []:
                 err().print(f"[yellow]warning:[/] {_escape(w)}")
@@ -153,7 +153,7 @@ def submit(
             err().print(f"follow it with: meshrun show {run.id} | meshrun logs {run.id} --follow")
         return
     if not as_json:
-        err().print(f"submitted [bold]{run.id}[/] ({run.name}) {layout_str(run.spec.layout)}")
+        err().print(f"submitted [bold]{run.id}[/] ({run.name}) {layout_label(run.spec.layout)}")
         err().print(f"console: {console_link(client, run.id)}", soft_wrap=True)
     try:
         run = client.runs.wait(run.id, progress=err() if (progress and not as_json) else False, timeout=timeout)
@@ -200,7 +200,7 @@ def runs(
             r.id,
             r.name,
             _status(r.status),
-            layout_str(r.spec.layout),
+            layout_label(r.spec.layout),
             f"{s.steps_done if s else '-'}/{r.spec.train.steps}",
             _num(s.final_loss if s else None),
             _rate(s.mean_tokens_per_s if s else None),
@@ -448,6 +448,6 @@ def resume(
     elif wait:
         print_summary(run)
     else:
-        out().print(f"resumed {run.id} {_status(run.status)}  {layout_str(run.spec.layout)}")
+        out().print(f"resumed {run.id} {_status(run.status)}  {layout_label(run.spec.layout)}")
     if wait:
         raise typer.Exit(_exit_for_run(run))

@@ -44,10 +44,10 @@ from api.sdk import (
     APIConnectionError,
     Client,
     MeshrunError,
-    layout_str,
     load_file,
 )
 from api.sdk._specs import apply_overrides
+from api.spec import layout_label
 
 
 # --------------------------------------------------------------------------------------------- service
@@ -188,7 +188,7 @@ def demo(
                 ) from None
         run = client.runs.create(body)
         console.print(
-            f"submitted [bold]{run.id}[/] ({run.name}): {layout_str(run.spec.layout)}, {run.spec.train.steps} steps"
+            f"submitted [bold]{run.id}[/] ({run.name}): {layout_label(run.spec.layout)}, {run.spec.train.steps} steps"
         )
         dash = run.dashboard_url
         if dash is None:

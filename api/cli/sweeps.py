@@ -30,10 +30,10 @@ from api.cli._common import (
     sweeps_app,
 )
 from api.sdk import (
-    layout_str,
     parse_layouts,
 )
 from api.sdk._specs import apply_overrides
+from api.spec import layout_label
 
 
 # ----------------------------------------------------------------------------------------------- sweeps
@@ -47,7 +47,7 @@ def _sweep_table(sweep: Any) -> Table:
         t.add_row(
             f"{tr.id}{mark}",
             tr.run_id or "-",
-            layout_str(tr.layout),
+            layout_label(tr.layout),
             str(tr.micro_batch_size),
             tr.status,
             _rate(tr.predicted_tokens_per_s),
@@ -121,7 +121,7 @@ def sweep(
         out().print(_sweep_table(sw))
         if sw.best_trial is not None:
             out().print(
-                f"best: {layout_str(sw.best_trial.layout)} micro-batch {sw.best_trial.micro_batch_size}; "
+                f"best: {layout_label(sw.best_trial.layout)} micro-batch {sw.best_trial.micro_batch_size}; "
                 f"run it with: meshrun submit --from-sweep {sw.id}"
             )
         elif not wait:
@@ -148,7 +148,7 @@ def sweeps_list(
     for col in ("id", "name", "status", "trials", "best", "created"):
         t.add_column(col)
     for s in page.items:
-        best = f"{layout_str(s.best_trial.layout)} mb{s.best_trial.micro_batch_size}" if s.best_trial else "-"
+        best = f"{layout_label(s.best_trial.layout)} mb{s.best_trial.micro_batch_size}" if s.best_trial else "-"
         t.add_row(s.id, s.name, s.status, str(len(s.trials)), best, _ts(s.created_at))
     out().print(t)
 

@@ -15,6 +15,7 @@ from api.spec import (
     SweepCreate,
     SweepPublic,
 )
+from api.spec.layout import layout_label as layout_str  # the one layout text: str(ResolvedLayout)
 
 from ._errors import (
     APIConnectionError,
@@ -33,7 +34,7 @@ from ._errors import (
     ValidationError,
     WaitTimeoutError,
 )
-from ._specs import apply_overrides, layout_str, load_file, parse_layout, parse_layouts
+from ._specs import apply_overrides, load_file, parse_layout, parse_layouts
 from .client import Client
 from .resources import Run, RunPage, Sweep, SweepPage
 

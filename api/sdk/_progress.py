@@ -165,7 +165,7 @@ class SweepProgress:
         return cls(_console(progress))
 
     def update(self, sweep: Any) -> None:
-        from ._specs import layout_str
+        from api.spec.layout import layout_label
 
         statuses = [str(t.status).upper() for t in sweep.trials]
         skipped = statuses.count("SKIPPED")  # decided before anything ran: not progress
@@ -174,7 +174,7 @@ class SweepProgress:
         best = "-"
         if sweep.best_trial is not None:
             bt = sweep.best_trial
-            best = f"{layout_str(bt.layout)} mb{bt.micro_batch_size} {_fmt_rate(bt.measured_tokens_per_s)} tok/s"
+            best = f"{layout_label(bt.layout)} mb{bt.micro_batch_size} {_fmt_rate(bt.measured_tokens_per_s)} tok/s"
         head = f"sweep {sweep.name} ({sweep.id}): {sweep.status}, best {best}"
         if self._task is None:
             self._task = self._progress.add_task("", total=total, skipped=skipped, head=head)

@@ -130,24 +130,3 @@ def parse_layouts(text: str) -> list[dict[str, Any]] | str:
     if text.strip() == "auto":
         return "auto"
     return [parse_layout(chunk) for chunk in text.split(";") if chunk.strip()]
-
-
-def layout_str(layout: Any) -> str:
-    """Compact human form of a Layout (or dict): ``dp2 tp2 pp2 zero3 sp 1f1b``."""
-    d = layout.model_dump() if isinstance(layout, pydantic.BaseModel) else dict(layout or {})
-    parts = [f"dp{d.get('dp', 1)}"] + [f"{k}{d[k]}" for k in ("tp", "pp") if d.get(k, 1) > 1]
-    if d.get("zero_stage"):
-        parts.append(f"zero{d['zero_stage']}")
-    if d.get("shard_group_size"):
-        parts.append(f"hsdp/{d['shard_group_size']}")
-    if d.get("sequence_parallel"):
-        parts.append("sp")
-    if d.get("pp", 1) > 1:
-        sched = d.get("pp_schedule", "1f1b")
-        v = d.get("pp_virtual_stages", 1)
-        parts.append(sched + (f"x{v}" if v and v > 1 else ""))
-    if d.get("grad_compression") not in (None, "none"):
-        parts.append(f"gc:{d['grad_compression']}")
-    if d.get("cpu_offload"):
-        parts.append("offload")
-    return " ".join(parts)

@@ -23,6 +23,7 @@ from api.spec._base import (
     NAME_RE,
 )
 from api.spec.errors import ErrorBody, ErrorDetail
+from api.spec.layout import MESH_DIMS, LayoutError, ResolvedLayout, layout_label
 from api.spec.metrics import BREAKDOWN_PARTS, BREAKDOWN_TERMS, MeasuredStepTime, MetricList, MetricRow
 from api.spec.observe import (
     BREAKDOWN_ROWS,
@@ -121,6 +122,10 @@ __all__ = [
     "EventList",
     "EventPublic",
     "Layout",
+    "LayoutError",
+    "MESH_DIMS",
+    "ResolvedLayout",
+    "layout_label",
     "GoodputLost",
     "LogsPublic",
     "RunGoodput",

@@ -3,12 +3,14 @@ breakdowns, ``PlanRequest``/``PlanResponse``, the ``ClusterSpec`` to plan for)."
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, computed_field, model_validator
 
 from api.spec._base import MAX_BATCH, MAX_SEQ_LEN, _Public, _Spec
+from api.spec.layout import MESH_DIMS, ResolvedLayout
 from api.spec.run import Layout, ModelSpec
 
 
@@ -71,20 +73,19 @@ class Candidate(_Public):
 
 
 class Plan(_Public):
-    """What meshrun resolved from a RunSpec. Stored with the run, handed to the workers."""
+    """What meshrun resolved from a RunSpec. Stored with the run, handed to the workers.
 
-    world_size: int
-    dp: int
-    tp: int
-    pp: int
-    dp_replicate: int = Field(description="Data-parallel replicas (HSDP outer dim; dp for zero 0/1).")
-    dp_shard: int = Field(description="Data-parallel shard degree (FSDP; 1 for zero 0/1).")
-    zero_stage: int
+    ``layout`` is the resolved layout (degrees and flavours, ``api.spec.layout.ResolvedLayout``); the degrees are
+    also served flat (``world_size``, ``dp``, ``tp``, ``pp``, ``dp_replicate``, ``dp_shard``, ``zero_stage``,
+    ``pp_stages_total``: read-only, derived from ``layout``), as every plan was before ``layout`` existed. A plan
+    stored without ``layout`` loads from those flat degrees, with default flavours (``Plan.stored`` takes the
+    flavours from the run's spec)."""
+
+    layout: ResolvedLayout
     micro_batch_size: int
     global_batch_size: int
     microbatches_per_step: int = Field(description="Micro-batches per data-parallel rank per optimizer step.")
     grad_accum_steps: int = Field(description="Backward passes accumulated per step (1 when pp > 1).")
-    pp_stages_total: int = Field(description="pp x virtual stages.")
     tokens_per_step: int
     model: ModelConfig
     device: Literal["cpu", "cuda", "auto"] = "auto"
@@ -92,6 +93,95 @@ class Plan(_Public):
     placement_strategy: str = "PACK"
     warnings: list[str] = Field(default_factory=list)
     predicted: Candidate | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_degrees(cls, data: Any) -> Any:
+        """A plan stored before ``layout`` existed: its flat degrees make the layout (default flavours)."""
+        if not isinstance(data, dict) or "layout" in data:
+            return data
+        return {**data, "layout": _layout_of_flat(data)}
+
+    @classmethod
+    def stored(cls, plan_json: dict[str, Any], spec_layout: Layout) -> Plan:
+        """A plan read back from the store: one stored before ``layout`` existed takes its flavours from the
+        run's spec (``spec_layout``; the degrees are the stored ones)."""
+        plan = cls.model_validate(plan_json)
+        if "layout" in plan_json:
+            return plan
+        degrees = {d: getattr(plan.layout, d) for d in MESH_DIMS}
+        return plan.model_copy(update={"layout": ResolvedLayout.of(spec_layout).replace(**degrees)})
+
+    @computed_field(description="Workers: the product of the layout's degrees.")  # type: ignore[prop-decorator]
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def dp(self) -> int:
+        return self.layout.dp
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @computed_field(description="Data-parallel replicas (HSDP outer dim; dp for zero 0/1).")  # type: ignore[prop-decorator]
+    @property
+    def dp_replicate(self) -> int:
+        return self.layout.dp_replicate
+
+    @computed_field(description="Data-parallel shard degree (FSDP; 1 for zero 0/1).")  # type: ignore[prop-decorator]
+    @property
+    def dp_shard(self) -> int:
+        return self.layout.dp_shard
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def zero_stage(self) -> int:
+        return self.layout.zero_stage
+
+    @computed_field(description="pp x virtual stages.")  # type: ignore[prop-decorator]
+    @property
+    def pp_stages_total(self) -> int:
+        return self.layout.pp_stages_total
+
+
+def layout_of(plan: Plan | Mapping[str, Any]) -> ResolvedLayout:
+    """The resolved layout of a plan or of its JSON (a stored plan; one stored before ``Plan.layout`` existed, or
+    a mapping of bare degrees, reads its flat degrees)."""
+    if isinstance(plan, Plan):
+        return plan.layout
+    if plan.get("layout") is not None:
+        return ResolvedLayout.model_validate(plan["layout"])
+    return ResolvedLayout.model_validate(_layout_of_flat(plan))
+
+
+def _layout_of_flat(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The layout of a plan's flat degrees (a plan stored before ``Plan.layout``); checks they add up."""
+    zero = int(data.get("zero_stage", 0))
+    pp, tp = int(data.get("pp", 1)), int(data.get("tp", 1))
+    world = data.get("world_size")
+    dp = int(data["dp"]) if "dp" in data else max(1, int(world or 1) // (pp * tp))  # bare degrees: world + tp
+    dpr, dps = data.get("dp_replicate"), data.get("dp_shard")
+    if dpr is None or dps is None:
+        dpr, dps = (1, dp) if zero >= 2 else (dp, 1)
+    out = {"pp": pp, "dp_replicate": int(dpr), "dp_shard": int(dps), "tp": tp, "zero_stage": zero}
+    total = data.get("pp_stages_total")
+    if total and int(total) % pp == 0:
+        out["pp_virtual_stages"] = int(total) // pp
+    if world is not None and int(world) != pp * int(dpr) * int(dps) * tp:
+        raise ValueError(
+            f"world_size={world} but pp x dp_replicate x dp_shard x tp = {pp} x {dpr} x {dps} x {tp}; "
+            "a plan's degrees must multiply to its world size"
+        )
+    return out
 
 
 class ClusterSpec(_Spec):

@@ -107,6 +107,7 @@ class CodeSpec(_Spec):
 
 PPSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv"]
 SyncMode = Literal["sync", "async_ps", "local_sgd", "diloco"]
+GradCompression = Literal["none", "fp16", "bf16", "powersgd"]
 
 
 class OuterOptimizerSpec(_Spec):
@@ -136,9 +137,7 @@ class Layout(_Spec):
     sequence_parallel: bool = False
     pp_schedule: PPSchedule = "1f1b"
     pp_virtual_stages: int = Field(1, ge=1, le=64, description="Model chunks per pipeline rank (interleaved).")
-    grad_compression: Literal["none", "fp16", "bf16", "powersgd"] = Field(
-        "none", description="DDP gradient compression hook (zero_stage 0 only)."
-    )
+    grad_compression: GradCompression = Field("none", description="DDP gradient compression hook (zero_stage 0 only).")
     cpu_offload: bool = Field(False, description="Offload parameters/optimizer to CPU (zero_stage 3 only).")
     sync: SyncMode = Field(
         "sync",

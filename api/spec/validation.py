@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from api.spec._base import MAX_WORLD_SIZE
+from api.spec.layout import ResolvedLayout
 from api.spec.plan import ModelConfig, Plan
 from api.spec.presets import PRESETS, gpt_param_count, mlp_param_count
 from api.spec.run import ModelSpec, RunSpec
@@ -405,33 +406,21 @@ def build_plan(spec: RunSpec, *, device: str = "auto") -> Plan:
     chk = check_spec(spec)
     if not chk.ok:
         raise SpecError(chk.errors)
-    lay, batch = spec.layout, spec.batch
+    batch = spec.batch
+    layout = ResolvedLayout.of(spec.layout)
     cfg = resolve_model(spec.model)
-    world = lay.dp * lay.tp * lay.pp
-    if lay.zero_stage >= 2:
-        dp_shard = lay.shard_group_size or lay.dp
-        dp_replicate = lay.dp // dp_shard
-    else:
-        dp_shard, dp_replicate = 1, lay.dp
-    m = batch.global_batch_size // (batch.micro_batch_size * lay.dp)
+    m = batch.global_batch_size // (batch.micro_batch_size * layout.dp)
     if spec.resources.device != "auto":
         device = "cuda" if spec.resources.device == "gpu" else "cpu"
     resources: dict[str, float] = {"CPU": float(spec.resources.cpus_per_worker)}
     if device == "cuda":
         resources["GPU"] = 1.0
     return Plan(
-        world_size=world,
-        dp=lay.dp,
-        tp=lay.tp,
-        pp=lay.pp,
-        dp_replicate=dp_replicate,
-        dp_shard=dp_shard,
-        zero_stage=lay.zero_stage,
+        layout=layout,
         micro_batch_size=batch.micro_batch_size,
         global_batch_size=batch.global_batch_size,
         microbatches_per_step=m,
-        grad_accum_steps=1 if lay.pp > 1 else m,
-        pp_stages_total=lay.pp * lay.pp_virtual_stages,
+        grad_accum_steps=1 if layout.pp > 1 else m,
         tokens_per_step=batch.global_batch_size * cfg.seq_len,
         model=cfg,
         device=device,

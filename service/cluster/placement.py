@@ -22,7 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from api.spec import Plan
+from api.spec import Plan, ResolvedLayout
+from api.spec.plan import layout_of
 
 NODE_ID_LABEL = "ray.io/node-id"
 _EPS = 1e-9
@@ -43,13 +44,16 @@ class Placement:
 
     fits: bool
     reason: str = ""
-    world_size: int = 0
-    tp: int = 1
+    layout: ResolvedLayout = field(default_factory=ResolvedLayout)
     resources_per_worker: dict[str, float] = field(default_factory=dict)
     use_gpu: bool = False
     rank_nodes: list[str] = field(default_factory=list)  # rank -> node id
     label_selector: list[dict[str, str]] | None = None  # per worker, rank order (None: not pinned)
     placement_strategy: str = "PACK"
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
 
     @property
     def workers_per_node(self) -> dict[str, int]:
@@ -75,7 +79,8 @@ class Placement:
             "fits": self.fits,
             "reason": self.reason,
             "world_size": self.world_size,
-            "tp": self.tp,
+            "tp": self.layout.tp,
+            "layout": self.layout.model_dump(mode="json"),
             "resources_per_worker": self.resources_per_worker,
             "use_gpu": self.use_gpu,
             "rank_nodes": self.rank_nodes,
@@ -85,14 +90,18 @@ class Placement:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Placement:
+        if d.get("layout") is not None:
+            layout = ResolvedLayout.model_validate(d["layout"])
+        else:  # written before Placement.layout: its world size and tp
+            tp = int(d.get("tp") or 1)
+            layout = ResolvedLayout(dp_replicate=max(1, int(d.get("world_size") or 0) // tp), tp=tp)
         return cls(
+            layout=layout,
             **{
                 k: d[k]
                 for k in (
                     "fits",
                     "reason",
-                    "world_size",
-                    "tp",
                     "resources_per_worker",
                     "use_gpu",
                     "rank_nodes",
@@ -100,7 +109,7 @@ class Placement:
                     "placement_strategy",
                 )
                 if k in d
-            }
+            },
         )
 
 
@@ -182,9 +191,19 @@ def place(
     ``pin``: express the assignment as per-worker label selectors (default: when the cluster has more than one
     node). Returns ``Placement(fits=False, reason=...)`` when it cannot fit now.
     """
-    world = int(_get(plan, "world_size"))
-    tp = max(1, int(_get(plan, "tp", 1) or 1))
-    res = worker_resources(plan)
+    return _place(layout_of(plan), worker_resources(plan), nodes, use_free=use_free, reserved=reserved, pin=pin)
+
+
+def _place(
+    layout: ResolvedLayout,
+    res: dict[str, float],
+    nodes: list[NodeCapacity],
+    *,
+    use_free: bool = True,
+    reserved: Mapping[str, Mapping[str, float]] | None = None,
+    pin: bool | None = None,
+) -> Placement:
+    world, tp = layout.world_size, layout.tp
     use_gpu = res.get("GPU", 0) > 0
     unit = slot_description(res)
     cap_slots: dict[str, int] = {}
@@ -198,29 +217,18 @@ def place(
     if world > total_slots:
         return Placement(
             fits=False,
-            tp=tp,
-            world_size=world,
+            layout=layout,
             resources_per_worker=res,
             use_gpu=use_gpu,
             reason=f"needs {world} worker slots of {unit}; {total_slots} {word}",
         )
-    if world % tp:
-        return Placement(
-            fits=False,
-            tp=tp,
-            world_size=world,
-            resources_per_worker=res,
-            use_gpu=use_gpu,
-            reason=f"world size {world} is not a multiple of tp={tp}",
-        )
-    groups = world // tp
+    groups = world // tp  # the layout's degrees multiply to the world: whole TP groups
     per_node_groups = _assign_groups(groups, {n: c // tp for n, c in cap_slots.items()})
     if per_node_groups is None:
         per_node = sorted(cap_slots.values(), reverse=True)
         return Placement(
             fits=False,
-            tp=tp,
-            world_size=world,
+            layout=layout,
             resources_per_worker=res,
             use_gpu=use_gpu,
             reason=f"needs {groups} tensor-parallel group(s) of {tp} worker slots of {unit}, each "
@@ -234,8 +242,7 @@ def place(
     selector = [{NODE_ID_LABEL: n} for n in rank_nodes] if pin else None
     return Placement(
         fits=True,
-        world_size=world,
-        tp=tp,
+        layout=layout,
         resources_per_worker=res,
         use_gpu=use_gpu,
         rank_nodes=rank_nodes,
@@ -259,7 +266,7 @@ def never_fits(
     res = worker_resources(plan)
     if res.get("GPU") and not any(n.total.get("GPU", 0) > 0 for n in nodes):
         return (
-            f"needs {int(_get(plan, 'world_size'))} workers with 1 GPU each; the cluster has no GPUs "
+            f"needs {layout_of(plan).world_size} workers with 1 GPU each; the cluster has no GPUs "
             "(use resources.device: cpu)"
         )
     p = place(plan, nodes, use_free=False, pin=False)
@@ -280,8 +287,9 @@ def never_fits(
 
 def smaller_layout(plan: PlanLike, nodes: list[NodeCapacity]) -> str | None:
     """The largest layout that fits the empty cluster, reached by halving dp, then pp, then tp
-    ("dp=1, tp=2, pp=2 (4 workers)"), or None."""
-    deg = {k: max(1, int(_get(plan, k, 1) or 1)) for k in ("dp", "tp", "pp")}
+    ("dp=1, tp=2, pp=2 (4 workers)": what to set in the spec), or None."""
+    lay = layout_of(plan)
+    deg = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp}
     res = worker_resources(plan)
     while True:
         for k in ("dp", "pp", "tp"):
@@ -290,10 +298,9 @@ def smaller_layout(plan: PlanLike, nodes: list[NodeCapacity]) -> str | None:
                 break
         else:
             return None
-        world = deg["dp"] * deg["tp"] * deg["pp"]
-        trial = {"world_size": world, "tp": deg["tp"], "resources_per_worker": res, "device": _get(plan, "device")}
-        if place(trial, nodes, use_free=False, pin=False).fits:
-            return f"dp={deg['dp']}, tp={deg['tp']}, pp={deg['pp']} ({world} workers)"
+        trial = ResolvedLayout(pp=deg["pp"], dp_replicate=deg["dp"], tp=deg["tp"])
+        if _place(trial, res, nodes, use_free=False, pin=False).fits:
+            return f"dp={deg['dp']}, tp={deg['tp']}, pp={deg['pp']} ({trial.world_size} workers)"
 
 
 def reservation(p: Placement) -> dict[str, dict[str, float]]:

@@ -37,10 +37,6 @@ class Replan:
     reason: str
 
 
-def layout_str(plan: Plan) -> str:
-    return f"dp={plan.dp} tp={plan.tp} pp={plan.pp}"
-
-
 def max_dp(spec: RunSpec, plan: Plan) -> int:
     """How far the run may grow: ``elastic.max_dp``, else the layout's dp."""
     assert spec.elastic is not None
@@ -84,7 +80,7 @@ def _first_fit(
             continue
         accum_old = gbs // (plan.dp * mbs)
         reason = (
-            f"elastic: {why}; layout {layout_str(plan)} -> {layout_str(new_plan)} (global batch {gbs} kept: "
+            f"elastic: {why}; layout {plan.layout} -> {new_plan.layout} (global batch {gbs} kept: "
             f"{accum_new} micro-batches of {micro} per rank instead of {accum_old} of {mbs}); {then}"
         )
         return Replan(new_spec, new_plan, reason)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
-from api.spec import Candidate, ClusterSpec, Layout, MemoryBreakdown, ModelConfig, StepTimeBreakdown
+from api.spec import Candidate, ClusterSpec, MemoryBreakdown, ModelConfig, ResolvedLayout, StepTimeBreakdown
 from service.planner import comm
 from service.planner import formulas as F
 from service.planner.compute import Cost, Env, Shape, embed_cost, head_cost, layer_cost, optimizer_time
@@ -53,47 +53,6 @@ COMM_BUFFER_BYTES = 256 * MiB  # NCCL buffers per process group in use
 # of 108-132 SMs) and HBM bandwidth while they run. The hidden part of data-parallel communication costs this
 # fraction of itself.
 OVERLAP_INTERFERENCE = 0.25
-
-
-class Lay(NamedTuple):
-    """A layout as a plain tuple (fields named like ``api.spec.Layout``)."""
-
-    dp: int
-    tp: int
-    pp: int
-    zero_stage: int
-    shard_group_size: int | None
-    sequence_parallel: bool
-    pp_schedule: str
-    pp_virtual_stages: int
-    grad_compression: str = "none"
-    cpu_offload: bool = False
-    sync: str = "sync"
-    ps_shards: int = 1
-    max_staleness: int = 4
-    sync_every_steps: int = 8
-
-    @classmethod
-    def of(cls, layout: Layout) -> Lay:
-        return cls(
-            layout.dp,
-            layout.tp,
-            layout.pp,
-            layout.zero_stage,
-            layout.shard_group_size,
-            layout.sequence_parallel,
-            layout.pp_schedule,
-            layout.pp_virtual_stages,
-            layout.grad_compression,
-            layout.cpu_offload,
-            layout.sync,
-            layout.ps_shards,
-            layout.max_staleness,
-            layout.sync_every_steps,
-        )
-
-    def layout(self) -> Layout:
-        return Layout(**self._asdict())
 
 
 class Mem(NamedTuple):
@@ -158,7 +117,7 @@ def make_ctx(
 
 
 # ------------------------------------------------------------------------------------------------ layers
-def stage_layers(L: int, lay: Lay) -> list[int]:
+def stage_layers(L: int, lay: ResolvedLayout) -> list[int]:
     """Layers each pipeline rank holds: ``p v`` chunks of ``L // (p v)`` layers, the first ``L % (p v)`` chunks
     one more; rank ``i`` holds chunks ``i, i + p, ...`` (the V schedule: ``i`` and ``2p - 1 - i``)."""
     p, v = lay.pp, lay.pp_virtual_stages
@@ -170,11 +129,11 @@ def stage_layers(L: int, lay: Lay) -> list[int]:
     return [sum(sizes[i::p]) for i in range(p)]
 
 
-def _layers_per_rank(c: Ctx, lay: Lay) -> int:
+def _layers_per_rank(c: Ctx, lay: ResolvedLayout) -> int:
     return max(stage_layers(c.shape.L, lay))
 
 
-def _stage_params(c: Ctx, lay: Lay) -> float:
+def _stage_params(c: Ctx, lay: ResolvedLayout) -> float:
     """Parameters of the most loaded rank (its layers plus the embedding or the head), divided over tp."""
     sh = c.shape
     layers = stage_layers(sh.L, lay)
@@ -189,7 +148,7 @@ def _stage_params(c: Ctx, lay: Lay) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ memory
-def _act_per_layer(c: Ctx, lay: Lay, mb: int, recompute: str) -> float:
+def _act_per_layer(c: Ctx, lay: ResolvedLayout, mb: int, recompute: str) -> float:
     sh = c.shape
     if sh.family == "mlp":
         return F.mlp_block_activation_bytes(
@@ -208,15 +167,14 @@ def _act_per_layer(c: Ctx, lay: Lay, mb: int, recompute: str) -> float:
     )
 
 
-def memory(c: Ctx, lay: Lay, mb: int, recompute: str) -> Mem:
+def memory(c: Ctx, lay: ResolvedLayout, mb: int, recompute: str) -> Mem:
     sh, fac = c.shape, c.fac
     t, p, v = lay.tp, lay.pp, lay.pp_virtual_stages
     m = c.global_batch_size // (mb * lay.dp)
     layers = _layers_per_rank(c, lay)
     stage = _stage_params(c, lay)
-    shard = (lay.shard_group_size or lay.dp) if lay.zero_stage >= 2 else (lay.dp if lay.zero_stage == 1 else 1)
     params, grads, opt = F.model_state_bytes(
-        stage, zero_stage=lay.zero_stage, shard_degree=shard, precision=c.precision
+        stage, zero_stage=lay.zero_stage, shard_degree=lay.shard_degree, precision=c.precision
     )
     if lay.cpu_offload:
         params = grads = opt = 0.0
@@ -290,7 +248,7 @@ def _passes(c: Ctx, cost: Cost, launch_s: float) -> tuple[float, float, float, f
     return _overlap(dev_f, host_f), _overlap(dev_b, host_b), cost.bwd_weight, tp_f + tp_b
 
 
-def step_time(c: Ctx, lay: Lay, mb: int, recompute: str) -> Time:
+def step_time(c: Ctx, lay: ResolvedLayout, mb: int, recompute: str) -> Time:
     sh, fac, dev = c.shape, c.fac, c.dev
     t, p, v, dp = lay.tp, lay.pp, lay.pp_virtual_stages, lay.dp
     m = max(1, c.global_batch_size // (mb * dp))
@@ -340,9 +298,7 @@ def step_time(c: Ctx, lay: Lay, mb: int, recompute: str) -> Time:
         dp_exposed, dp_total = _ddp(c, lay, bwd[b])
     elif dp > 1:
         dp_exposed, dp_total = _fsdp(c, lay, m, lf, lb, layers[b], bwd[b])
-    opt_local = _stage_params(c, lay)
-    if lay.zero_stage >= 1 and dp > 1:
-        opt_local /= (lay.shard_group_size or dp) if lay.zero_stage >= 2 else dp
+    opt_local = _stage_params(c, lay) / lay.shard_degree
     if lay.cpu_offload:
         opt_s = opt_local * 36 / fac.offload_bandwidth_bytes_per_s
     else:
@@ -353,7 +309,7 @@ def step_time(c: Ctx, lay: Lay, mb: int, recompute: str) -> Time:
     return Time(compute, tp_comm, pp_comm, bubble, dp_exposed, opt_s, other, dp_total, total)
 
 
-def _grad_bytes(c: Ctx, lay: Lay, params: float) -> float:
+def _grad_bytes(c: Ctx, lay: ResolvedLayout, params: float) -> float:
     """Bytes of gradients a rank reduces: fp32 (mixed precision reduces fp32 main grads), halved by fp16/bf16
     compression hooks, /8 for PowerSGD's low-rank factors."""
     b = params * 4
@@ -369,7 +325,7 @@ def _dp_link(c: Ctx, size: int, stride: int) -> comm.Link:
     return comm.link(c.dev, g, bandwidth_efficiency=c.fac.dp_bandwidth_efficiency, latency_scale=c.fac.dp_latency_scale)
 
 
-def _ddp(c: Ctx, lay: Lay, last_backward_s: float) -> tuple[float, float]:
+def _ddp(c: Ctx, lay: ResolvedLayout, last_backward_s: float) -> tuple[float, float]:
     """(exposed, total) seconds of DDP (ZeRO-0) / ZeRO-1 communication per step."""
     stage = _stage_params(c, lay)
     ln = _dp_link(c, lay.dp, lay.tp)
@@ -386,13 +342,14 @@ def _ddp(c: Ctx, lay: Lay, last_backward_s: float) -> tuple[float, float]:
     return exposed, total
 
 
-def _fsdp(c: Ctx, lay: Lay, m: int, lf: float, lb: float, layers: int, last_backward_s: float) -> tuple[float, float]:
+def _fsdp(
+    c: Ctx, lay: ResolvedLayout, m: int, lf: float, lb: float, layers: int, last_backward_s: float
+) -> tuple[float, float]:
     """(exposed, total) seconds of FSDP (ZeRO-2/3, HSDP) communication per step. Units: one per layer + the root
     (embedding and head); each unit's gather is prefetched under the previous unit's compute (``lf``/``lb`` per
     layer), so it shows only where it outlasts it."""
     ov = c.fac.dp_overlap_fraction
-    ns = lay.shard_group_size or lay.dp
-    nr = lay.dp // ns
+    ns, nr = lay.dp_shard, lay.dp_replicate
     stage = _stage_params(c, lay)
     units = max(1, layers) + 1
     ln = _dp_link(c, ns, lay.tp)
@@ -421,22 +378,21 @@ def _fsdp(c: Ctx, lay: Lay, m: int, lf: float, lb: float, layers: int, last_back
 
 
 def _periodic(
-    c: Ctx, lay: Lay, m: int, lf: float, lb: float, layers: int, last_backward_s: float
+    c: Ctx, lay: ResolvedLayout, m: int, lf: float, lb: float, layers: int, last_backward_s: float
 ) -> tuple[float, float]:
     """local_sgd / diloco, (exposed, total) seconds per step: FSDP inside each replica (zero 2/3), and one
     all-reduce of the fp32 parameter deltas across the replicas every ``sync_every_steps`` (H) steps, blocking
     (nothing to hide it under), so 1/H of it per step."""
-    ns = lay.shard_group_size or lay.dp if lay.zero_stage >= 2 else 1
+    ns, replicas = lay.dp_shard, lay.dp_replicate
     exposed = total = 0.0
-    if ns > 1:
-        exposed, total = _fsdp(c, lay._replace(dp=ns, shard_group_size=ns), m, lf, lb, layers, last_backward_s)
-    replicas = lay.dp // ns
+    if ns > 1:  # FSDP inside one replica: its shard group, nothing replicated
+        exposed, total = _fsdp(c, lay.replace(dp_replicate=1), m, lf, lb, layers, last_backward_s)
     avg = comm.all_reduce(_stage_params(c, lay) * 4 / ns, replicas, _dp_link(c, replicas, lay.tp * ns))
     avg /= lay.sync_every_steps
     return exposed + avg, total + avg
 
 
-def _ps(c: Ctx, lay: Lay, busy_s: float) -> tuple[float, float]:
+def _ps(c: Ctx, lay: ResolvedLayout, busy_s: float) -> tuple[float, float]:
     """async_ps, (exposed, total) seconds per step: every worker pushes its fp32 gradients and pulls the fp32
     parameters over the network tier (the servers are other processes, on other nodes in general); the
     ``ps_shards`` servers take all ``dp`` workers' traffic. With ``max_staleness >= 1`` the transfers of one step
@@ -454,19 +410,23 @@ def _ps(c: Ctx, lay: Lay, busy_s: float) -> tuple[float, float]:
 PAYOFF = 1.15  # an alternative mode is named when it is predicted at least this much faster
 
 
-def sync_advice(c: Ctx, lay: Lay, mb: int, recompute: str, tm: Time) -> str:
+def sync_advice(c: Ctx, lay: ResolvedLayout, mb: int, recompute: str, tm: Time) -> str:
     """When the data-parallel traffic of a synchronous layout is a large share of its step, the modes that cut it
     (diloco at H = 8, async_ps with one server per 4 workers), predicted on the same layout, if they pay off."""
     if lay.sync != "sync" or lay.dp < 2 or tm.dp_comm < 0.2 * tm.total or lay.pp > 1:
         return ""
     out = []
-    for name, alt in (
-        ("diloco (sync_every_steps 8)", lay._replace(sync="diloco", sync_every_steps=8, zero_stage=0)),
-        ("async_ps (max_staleness 4)", lay._replace(sync="async_ps", ps_shards=max(1, lay.dp // 4), zero_stage=0)),
+    plain = {"zero_stage": 0, "dp_replicate": lay.dp, "dp_shard": 1}  # the modes' replicas hold whole models
+    for name, alt in (  # priced, not run: model_copy (ps_shards may pass the spec's bound)
+        ("diloco (sync_every_steps 8)", lay.model_copy(update={**plain, "sync": "diloco", "sync_every_steps": 8})),
+        (
+            "async_ps (max_staleness 4)",
+            lay.model_copy(update={**plain, "sync": "async_ps", "ps_shards": max(1, lay.dp // 4)}),
+        ),
     ):
         if name.startswith("async_ps") and lay.tp > 1:
             continue
-        alt_t = step_time(c, alt._replace(shard_group_size=None), mb, recompute).total
+        alt_t = step_time(c, alt, mb, recompute).total
         if alt_t * PAYOFF < tm.total:
             out.append(f"{name} {tm.total / alt_t:.1f}x faster")
     if not out:
@@ -510,7 +470,7 @@ def fit_reason(c: Ctx, mem: Mem, tm: Time) -> str:
 
 
 def candidate(
-    c: Ctx, lay: Lay, mb: int, recompute: str, mem: Mem, tm: Time | None, reason: str | None = None
+    c: Ctx, lay: ResolvedLayout, mb: int, recompute: str, mem: Mem, tm: Time | None, reason: str | None = None
 ) -> Candidate:
     feasible = mem.total <= c.dev.memory_bytes
     tps, mfu = rates(c, tm) if tm is not None else (0.0, 0.0)
@@ -521,7 +481,7 @@ def candidate(
             else (fit_reason(c, mem, tm) + sync_advice(c, lay, mb, recompute, tm) if tm else "")
         )
     return Candidate(
-        layout=lay.layout(),
+        layout=lay.to_layout(),
         micro_batch_size=mb,
         activation_checkpointing=recompute,
         memory_bytes=MemoryBreakdown(**{k: int(round(v)) for k, v in mem._asdict().items()}),

@@ -26,11 +26,12 @@ from api.spec import (
     PlanCalibration,
     PlanRequest,
     PlanResponse,
+    ResolvedLayout,
     RunSpec,
 )
 from api.spec.presets import PRESETS
 from api.spec.validation import SpecError, SpecIssue, check_spec, resolve_model
-from service.planner.core import Ctx, Lay, Mem, Time, candidate, make_ctx, memory, oom_reason, step_time
+from service.planner.core import Ctx, Mem, Time, candidate, make_ctx, memory, oom_reason, step_time
 from service.planner.devices import device_figures
 from service.planner.factors import Factors
 
@@ -77,12 +78,13 @@ def schedules(pp: int, n_layers: int) -> list[tuple[str, int]]:
     return out
 
 
-def _zeros(dp: int, tp: int, pp: int, gpus_per_node: int) -> list[tuple[int, int | None]]:
+def _zeros(dp: int, tp: int, pp: int, gpus_per_node: int) -> list[tuple[int, int]]:
+    """(ZeRO stage, FSDP shard degree ``dp_shard``) pairs: all of dp, or (HSDP) one node's data-parallel ranks."""
     if dp == 1:  # nothing to shard over
-        return [(0, None)]
-    zeros: list[tuple[int, int | None]] = [(0, None), (2, None), (3, None)]
+        return [(0, 1)]
+    zeros: list[tuple[int, int]] = [(0, 1), (2, dp), (3, dp)]
     if tp == 1 and pp == 1:
-        zeros.insert(1, (1, None))
+        zeros.insert(1, (1, 1))
     g = gpus_per_node // tp
     if dp > 1 and 1 < g < dp and dp % g == 0:
         zeros += [(2, g), (3, g)]
@@ -99,16 +101,25 @@ def _tp_pp(world: int, gpus_per_node: int, n_layers: int) -> Iterator[tuple[int,
                 yield tp, pp
 
 
-def layouts(world: int, gpus_per_node: int, n_layers: int) -> Iterator[Lay]:
+def layouts(world: int, gpus_per_node: int, n_layers: int) -> Iterator[ResolvedLayout]:
     """Layouts worth scoring for a world size. Generator-level pruning (the rules themselves are
     ``check_spec``'s): tp divides the node; pp <= n_layers; ZeRO stages only with data parallelism, ZeRO-1 only for
     plain data parallel; HSDP shard groups of one node's data-parallel ranks."""
     for tp, pp in _tp_pp(world, gpus_per_node, n_layers):
         dp = world // (tp * pp)
         for sched, v in schedules(pp, n_layers):
-            for zero, sgs in _zeros(dp, tp, pp, gpus_per_node):
+            for zero, shard in _zeros(dp, tp, pp, gpus_per_node):
                 for sp in (False, True) if tp > 1 else (False,):
-                    yield Lay(dp, tp, pp, zero, sgs, sp, sched, v)
+                    yield ResolvedLayout(
+                        pp=pp,
+                        dp_replicate=dp // shard,
+                        dp_shard=shard,
+                        tp=tp,
+                        zero_stage=zero,
+                        sequence_parallel=sp,
+                        pp_schedule=sched,
+                        pp_virtual_stages=v,
+                    )
 
 
 def search_size(world: int, gpus_per_node: int, n_layers: int, *, micro_batches: int, recomputes: int) -> int:
@@ -179,10 +190,10 @@ class _Validator:
         self._base = RunSpec(model=model, precision=precision)
         self._gbs = global_batch_size
 
-    def issues(self, lay: Lay, mb: int) -> list[SpecIssue]:
+    def issues(self, layout: Layout, mb: int) -> list[SpecIssue]:
         spec = self._base.model_copy(
             update={
-                "layout": Layout.model_construct(**lay._asdict()),
+                "layout": layout,
                 "batch": BatchSpec.model_construct(global_batch_size=self._gbs, micro_batch_size=mb),
             }
         )
@@ -216,7 +227,7 @@ class _Rejects:
         return out
 
 
-Scored = tuple[float, float, Lay, int, str, Mem, Time]
+Scored = tuple[float, float, ResolvedLayout, int, str, Mem, Time]
 
 
 def _search(
@@ -225,7 +236,7 @@ def _search(
     *,
     micro_batch_sizes: list[int],
     recomputes: list[str],
-    lays: Iterable[Lay] | None = None,
+    lays: Iterable[ResolvedLayout] | None = None,
 ) -> tuple[list[Scored], _Rejects, int]:
     """Score layouts; returns (feasible results sorted best first, one per layout; rejections; evaluated)."""
     val = _Validator(model_spec, global_batch_size=c.global_batch_size, precision=c.precision)
@@ -237,6 +248,7 @@ def _search(
         per_dp = c.global_batch_size // lay.dp if c.global_batch_size % lay.dp == 0 else 0
         mbs = [mb for mb in micro_batch_sizes if per_dp and per_dp % mb == 0] or micro_batch_sizes[:1]
         best: Scored | None = None
+        spec_layout: Layout | None = None  # the spec form check_spec reads, built once per layout when needed
         for mb in mbs:
             evaluated += len(recomputes)
             # memory before validity: the leanest choice not fitting rejects the pair without check_spec
@@ -245,7 +257,8 @@ def _search(
             if mem.total > mem_cap:
                 rejects.add(("memory", lay.tp, lay.pp), (lay, mb, leanest, mem, oom_reason(c, mem, leanest)), mem.total)
                 continue
-            issues = val.issues(lay, mb)
+            spec_layout = spec_layout or lay.to_layout()
+            issues = val.issues(spec_layout, mb)
             if issues:
                 first = issues[0]
                 rejects.add(
@@ -307,7 +320,7 @@ def evaluate(
     model: ModelConfig,
     cluster: ClusterSpec,
     *,
-    layout: Layout,
+    layout: Layout | ResolvedLayout,
     micro_batch_size: int,
     global_batch_size: int,
     precision: str = "bf16",
@@ -319,19 +332,20 @@ def evaluate(
 
     ``validate`` runs ``api.spec.validation.check_spec`` first and raises ``SpecError`` for a layout the model
     cannot run (the API's 422). The world size is the layout's (dp x tp x pp), on nodes of
-    ``cluster.gpus_per_node``.
+    ``cluster.gpus_per_node``. ``layout``: the spec's, or one already resolved (a plan's).
     """
-    lay = Lay.of(layout)
     if validate:
+        spec_layout = layout.to_layout() if isinstance(layout, ResolvedLayout) else layout
         errors = _Validator(_model_spec_of(model), global_batch_size=global_batch_size, precision=precision).issues(
-            lay, micro_batch_size
+            spec_layout, micro_batch_size
         )
         if errors:
             raise SpecError(errors)
+    lay = layout if isinstance(layout, ResolvedLayout) else ResolvedLayout.of(layout)
     c = make_ctx(
         model,
         cluster,
-        world=layout.world_size,
+        world=lay.world_size,
         global_batch_size=global_batch_size,
         precision=precision,
         factors=factors,
@@ -346,7 +360,7 @@ def predict_run(spec: RunSpec, plan: Plan, cluster: ClusterSpec, *, factors: Fac
     return evaluate(
         plan.model,
         cluster,
-        layout=spec.layout,
+        layout=plan.layout,
         micro_batch_size=plan.micro_batch_size,
         global_batch_size=plan.global_batch_size,
         precision=spec.precision,
@@ -395,11 +409,11 @@ def search(
             log.info("no feasible layout for %s on %d x %s", cfg.name, world, c.dev.name)
         return _response(c, cfg, cluster, feasible, rejects, evaluated, req.top_k, t0, calibration)
 
-    lay = Lay.of(req.layout)
     val = _Validator(model_spec, global_batch_size=req.global_batch_size, precision=req.precision)
-    valid = [mb for mb in mbs if not val.issues(lay, mb)]
+    valid = [mb for mb in mbs if not val.issues(req.layout, mb)]
     if not valid:
-        raise SpecError(val.issues(lay, mbs[0]))
+        raise SpecError(val.issues(req.layout, mbs[0]))
+    lay = ResolvedLayout.of(req.layout)  # valid (check_spec passed): it resolves
     feasible, rejects, evaluated = _search(c, model_spec, micro_batch_sizes=valid, recomputes=recs, lays=[lay])
     if feasible:
         return _response(c, cfg, cluster, feasible, _Rejects(), evaluated, 1, t0, calibration)

@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     with session_scope(factory) as s:
         run = store.get_run(s, run_id=run_id)
         spec = RunSpec.model_validate(run.spec)
-        plan = Plan.model_validate(run.plan) if run.plan else build_plan(spec)
+        plan = Plan.stored(run.plan, spec.layout) if run.plan else build_plan(spec)  # old plans: flavours from spec
         run_name, resume_from, first_attempt = run.name, run.resume_from, (run.attempts or 0) + 1
         if spec.checkpoint.storage is None:  # each project's checkpoints under its own root (service.security.paths)
             own = project_checkpoint_root(settings, run.project)

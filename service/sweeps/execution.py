@@ -19,7 +19,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.spec import RunSpec, RunStatus, SweepCreate
+from api.spec import RunSpec, RunStatus, SweepCreate, layout_label
 from service import store
 from service.cluster.env import job_runtime_env, python_command
 from service.cluster.jobs import submission_id, submission_number, trim
@@ -27,7 +27,6 @@ from service.security.policy import resolve_code_dir
 from service.store import controller
 from service.store.db import session_scope
 from service.store.models import Run, Sweep, Trial
-from service.sweeps.expansion import short_layout
 from service.sweeps.host import SweepHost
 from service.sweeps.measurement import best_trial, calibrate_sweep, measure_trial, objective_of
 from service.sweeps.state import (
@@ -275,7 +274,7 @@ def _conclude(s: Session, sweep: Sweep, trials: list[Trial], *, failure: str | N
         reason = trim(f"no trial was measured ({tally})" + (f": {failure}" if failure else ""), 2000)
         return controller.transition_sweep(s, sweep=sweep, to=SweepStatus.FAILED, reason=reason, actor=actor)
     reason = trim(
-        f"best: trial {best.id} ({short_layout(best.layout)} mb={best.micro_batch_size}) "
+        f"best: trial {best.id} ({layout_label(best.layout)} mb={best.micro_batch_size}) "
         f"{sweep.objective}={objective_of(best, sweep.objective) or 0.0:.4g}; trials: {tally}"
         + (f"; driver: {failure}" if failure else ""),
         2000,

@@ -33,7 +33,7 @@ from typing import Any
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
-from api.spec import NAME_RE, Candidate, ClusterSpec, Layout, Plan, PlanRequest, RunSpec, SweepCreate
+from api.spec import NAME_RE, Candidate, ClusterSpec, Layout, Plan, PlanRequest, RunSpec, SweepCreate, layout_label
 from api.spec.validation import SpecError, SpecIssue, build_plan, check_spec
 from service import store
 from service.cluster.jobs import trim
@@ -342,7 +342,7 @@ def create_sweep(
         never_fits=(lambda plan: host.never_fits(plan, reserved_cpu=held)) if host is not None else None,
     )
     if not any(d.status == TrialStatus.PENDING for d in drafts):
-        reasons = "; ".join(f"[{short_layout(d.layout)} mb={d.micro_batch_size}] {d.reason}" for d in drafts[:5])
+        reasons = "; ".join(f"[{layout_label(d.layout)} mb={d.micro_batch_size}] {d.reason}" for d in drafts[:5])
         raise SpecError(
             [
                 SpecIssue(
@@ -404,15 +404,3 @@ def create_sweep(
         len(drafts) - n_run,
     )
     return sweep, True
-
-
-def short_layout(layout: Layout | dict[str, Any]) -> str:
-    lay = Layout.model_validate(layout)
-    s = f"dp{lay.dp} tp{lay.tp} pp{lay.pp}"
-    if lay.zero_stage:
-        s += f" z{lay.zero_stage}"
-    if lay.sequence_parallel:
-        s += " sp"
-    if lay.pp > 1 and lay.pp_schedule != "1f1b":
-        s += f" {lay.pp_schedule}"
-    return s

@@ -58,7 +58,7 @@ def test_node_lost_for_good_shrinks_to_dp2_then_grows_back(live_service, ray_clu
 
         # the run is re-planned as dp2 on the head and resumes from its latest checkpoint
         shrunk = _wait_elastic(url, run["id"], 1)
-        assert "node lost" in shrunk[0] and "dp=4 tp=1 pp=1 -> dp=2 tp=1 pp=1" in shrunk[0], shrunk
+        assert "node lost" in shrunk[0] and "layout dp4 -> dp2" in shrunk[0], shrunk
         assert "global batch 16 kept" in shrunk[0], shrunk
         now = get_run(url, run["id"])
         assert now["plan"]["dp"] == 2 and now["plan"]["global_batch_size"] == 16
@@ -69,7 +69,7 @@ def test_node_lost_for_good_shrinks_to_dp2_then_grows_back(live_service, ray_clu
         done = wait_for(url, run["id"], {"SUCCEEDED"}, timeout_s=600)
         changes = _elastic(url, run["id"])
         assert len(changes) == 2, changes
-        assert "capacity returned" in changes[1] and "dp=2 tp=1 pp=1 -> dp=4 tp=1 pp=1" in changes[1], changes
+        assert "capacity returned" in changes[1] and "layout dp2 -> dp4" in changes[1], changes
         assert done["plan"]["dp"] == 4 and set(done["rank_nodes"].values()) == {head.node_id, node.node_id}
         placements = [e["reason"] for e in events(url, run["id"]) if e["kind"] == "placement"]
         assert len(placements) == 3, placements

@@ -34,7 +34,7 @@ def test_replan_keeps_the_global_batch_within_bounds() -> None:
     new = replan(spec, plan, _caps(3), why="node lost: n2")
     assert new is not None and new.plan.dp == 2 and new.plan.global_batch_size == 16
     assert new.spec.batch.micro_batch_size == 2  # 8 per rank: 4 micro-batches instead of 2
-    assert "dp=4 tp=1 pp=1 -> dp=2 tp=1 pp=1" in new.reason and "global batch 16 kept" in new.reason
+    assert "layout dp4 -> dp2" in new.reason and "global batch 16 kept" in new.reason
     assert replan(spec, plan, _caps(1), why="x") is None  # dp 1 is below min_dp
     assert replan(spec.model_copy(update={"elastic": None}), plan, _caps(3), why="x") is None
 
@@ -110,7 +110,7 @@ def test_a_lost_node_requeues_an_elastic_run_in_a_smaller_layout(sched, tmp_path
         assert run.resume_from == str(ck)
         kinds = [(e.kind, e.reason) for e in store.list_events(s, run_id=rid, limit=100)]
     elastic = [r for k, r in kinds if k == "elastic"]
-    assert len(elastic) == 1 and "node lost: n2" in elastic[0] and "dp=4 tp=1 pp=1 -> dp=2 tp=1 pp=1" in elastic[0]
+    assert len(elastic) == 1 and "node lost: n2" in elastic[0] and "layout dp4 -> dp2" in elastic[0]
     assert "the checkpoint of step 10" in elastic[0]
     sched.jobs.states[job] = "STOPPED"
     sched.cluster.views = [_view("n1", free=2.0)]  # the dead node gone from the table: nothing to re-plan again
@@ -136,7 +136,7 @@ def test_grow_picks_the_largest_layout_up_to_max_dp() -> None:
     free = [NodeCapacity("n1", total={"CPU": 2.0}, free={"CPU": 2.0}), NodeCapacity("n2", {"CPU": 2.0}, {"CPU": 2.0})]
     new = grow(spec, plan, free, why="capacity returned")
     assert new is not None and new.plan.dp == 4 and new.plan.global_batch_size == 16
-    assert "dp=2 tp=1 pp=1 -> dp=4 tp=1 pp=1" in new.reason and "capacity returned" in new.reason
+    assert "layout dp2 -> dp4" in new.reason and "capacity returned" in new.reason
     assert grow(spec, plan, free[:1], why="x") is None  # 2 slots: no larger layout fits
     at_max = RunSpec.model_validate({**SPEC, "elastic": {"min_dp": 2}})
     assert grow(at_max, build_plan(at_max), free * 2, why="x") is None  # dp4 is its max (the layout's dp)
@@ -169,7 +169,7 @@ def test_an_elastic_run_below_max_dp_grows_back_through_a_checkpoint(sched, tmp_
     sched.tick()
     with session_scope(sched.factory) as s:
         asked = store.list_events(s, run_id=rid, kinds=[PREEMPT_REQUEST], limit=10)
-        assert len(asked) == 1 and "dp=2 tp=1 pp=1 -> dp=4 tp=1 pp=1" in asked[0].reason
+        assert len(asked) == 1 and "layout dp2 -> dp4" in asked[0].reason
         assert store.get_run(s, run_id=rid).plan["dp"] == 2  # unchanged until it yields
     sched.tick()  # asked once only
     with session_scope(sched.factory) as s:
@@ -184,7 +184,7 @@ def test_an_elastic_run_below_max_dp_grows_back_through_a_checkpoint(sched, tmp_
         run = store.get_run(s, run_id=rid)
         assert run.plan["dp"] == 4 and run.spec["layout"]["dp"] == 4 and run.status == "STARTING"
         elastic = [e.reason for e in store.list_events(s, run_id=rid, kinds=["elastic"], limit=10)]
-    assert any("capacity returned" in r and "dp=2 tp=1 pp=1 -> dp=4 tp=1 pp=1" in r for r in elastic), elastic
+    assert any("capacity returned" in r and "layout dp2 -> dp4" in r for r in elastic), elastic
 
 
 def test_a_failed_elastic_driver_waits_for_the_services_verdict(sched, tmp_path, monkeypatch) -> None:

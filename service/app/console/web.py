@@ -19,7 +19,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 from jinja2 import is_undefined
 
-from api.sdk._specs import layout_str
+from api.spec import layout_label
 from api.spec.units import format_bytes
 from service.app.deps import Principal, local_principal, principal_from_cookie, principal_from_secret
 from service.app.errors import ApiError
@@ -103,10 +103,6 @@ def _clock(dt: datetime | None) -> str:
     return dt.strftime("%Y-%m-%d %H:%M:%S UTC") if dt is not None else "–"
 
 
-def _layout(layout: Any) -> str:
-    return layout_str(layout) if layout else "–"
-
-
 def _defined(fn: Any) -> Any:
     """A filter that reads a missing value (Jinja's Undefined) as None."""
 
@@ -125,7 +121,7 @@ for name, fn in {
     "age": _age,
     "iso": _iso,
     "clock": _clock,
-    "layout": _layout,
+    "layout": layout_label,
 }.items():
     templates.env.filters[name] = _defined(fn)
 templates.env.globals["VERSION"] = VERSION

@@ -357,7 +357,7 @@
       if (!b) return;
       var tr = b.closest("tr"), ranked = document.getElementById("plan-ranked");
       var req = JSON.parse(ranked.dataset.request), layout = JSON.parse(tr.dataset.layout);
-      $('[data-field="layout"]', f).textContent = Object.keys(layout).filter(function (k) { return ["dp", "tp", "pp", "zero_stage"].indexOf(k) >= 0; }).map(function (k) { return k + "=" + layout[k]; }).join(" ");
+      $('[data-field="layout"]', f).textContent = tr.dataset.layoutLabel;  // str(ResolvedLayout), rendered by the server
       $('[data-field="mbs"]', f).textContent = tr.dataset.mbs;
       var err = $('[data-field="error"]', f); err.hidden = true;
       dlg.returnValue = "";
