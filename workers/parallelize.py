@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from api.spec import Plan, RunSpec
+from api.spec.layout import ResolvedLayout
 from workers.models import materialize
 from workers.parallel_dims import ParallelDims
 
@@ -266,30 +267,13 @@ def parallelize_model(
     A new parallel dimension or precision is one ``apply_*`` function and one line in the order below.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    seed = spec.train.seed
     lay = plan.layout  # degrees and flavours, resolved once
-    on_meta = any(p.is_meta for p in model.parameters())
     dtype = _DTYPES[spec.precision]
     block_classes = spec.model.block_classes
-
-    use_fsdp, use_ddp = lay.dp_wrapper == "fsdp", lay.dp_wrapper == "ddp"
-    nbytes = sum(p.numel() for p in model.parameters()) * 4
-    if init_on_meta is None:
-        init_on_meta = use_fsdp and nbytes > meta_init_bytes()
-    init_on_meta = bool(init_on_meta and use_fsdp and on_meta)
-    if on_meta and not init_on_meta:
-        materialize(model, device=device, seed=seed)
-    elif not on_meta:
-        model.to(device)
-
+    init_after_sharding = _place_weights(model, lay, device=device, seed=spec.train.seed, init_on_meta=init_on_meta)
     user_plan: dict[str, str] | None = dict(spec.model.tp_plan) if spec.model.tp_plan else None
-    loss_parallel = (
-        dims.tp_enabled
-        and not dims.pp_enabled
-        and user_plan is None
-        and hasattr(model, "tp_plan")
-        and getattr(model, "output", None) is not None
-    )
+    loss_parallel = _loss_parallel(model, dims, user_plan)
+
     # the order (torchtitan's): each line one apply_* of workers.parallelize
     if dims.tp_enabled:
         apply_tp(
@@ -299,32 +283,70 @@ def parallelize_model(
         apply_ac(model, spec.activation_checkpointing, block_classes=block_classes)
     if spec.compile:
         apply_compile(model, block_classes=block_classes)
-    if use_fsdp:
-        model = apply_fsdp(
-            model,
-            dims.fsdp_mesh,  # HSDP's 2-D mesh, or the shard dim (periodic modes: inside each replica only)
-            reshard_after_forward=lay.reshard_after_forward,
-            param_dtype=dtype,
-            cpu_offload=lay.cpu_offload,
-            block_classes=block_classes,
-        )
-    elif use_ddp:
-        model = apply_ddp(
-            model,
-            dims.mesh["dp_replicate"].get_group(),
-            compression=lay.ddp_compression,
-            device=device,
-        )
-    if init_on_meta:
-        materialize(model, device=device, seed=seed)
+    model = apply_dp(model, dims, device=device, param_dtype=dtype, block_classes=block_classes)
+    if init_after_sharding:
+        materialize(model, device=device, seed=spec.train.seed)
 
     # FSDP casts parameters itself (its mixed-precision policy); other low-precision models run under autocast
-    autocast = dtype if dtype != torch.float32 and not use_fsdp else None
+    autocast = dtype if dtype != torch.float32 and lay.dp_wrapper != "fsdp" else None
     if autocast is not None and dims.pp_enabled:
         apply_autocast(model, device.type, autocast)  # the pipeline schedule calls forward itself
         autocast = None
-    dp: Literal["ddp", "fsdp"] | None = "fsdp" if use_fsdp else "ddp" if use_ddp else None
+    wrapper = lay.dp_wrapper
+    dp: Literal["ddp", "fsdp"] | None = None if wrapper == "none" else wrapper
     return Parallelized(model=model, dp=dp, autocast=autocast, loss_parallel=loss_parallel)
+
+
+def _place_weights(
+    model: nn.Module, lay: ResolvedLayout, *, device: torch.device, seed: int, init_on_meta: bool | None
+) -> bool:
+    """Give ``model`` its weights now (materialise a meta model, or move a real one to ``device``), or leave a
+    large meta model for after FSDP sharding. Returns True when the weights are to be made after sharding."""
+    on_meta = any(p.is_meta for p in model.parameters())
+    use_fsdp = lay.dp_wrapper == "fsdp"
+    if init_on_meta is None:
+        init_on_meta = use_fsdp and sum(p.numel() for p in model.parameters()) * 4 > meta_init_bytes()
+    after_sharding = bool(init_on_meta and use_fsdp and on_meta)
+    if on_meta and not after_sharding:
+        materialize(model, device=device, seed=seed)
+    elif not on_meta:
+        model.to(device)
+    return after_sharding
+
+
+def _loss_parallel(model: nn.Module, dims: ParallelDims, user_plan: dict[str, str] | None) -> bool:
+    """Logits stay vocab-sharded (loss under ``loss_parallel()``): meshrun's own TP plan, no pipeline."""
+    return bool(
+        dims.tp_enabled
+        and not dims.pp_enabled
+        and user_plan is None
+        and hasattr(model, "tp_plan")
+        and getattr(model, "output", None) is not None
+    )
+
+
+def apply_dp(
+    model: nn.Module,
+    dims: ParallelDims,
+    *,
+    device: torch.device,
+    param_dtype: torch.dtype,
+    block_classes: Iterable[str] | None,
+) -> nn.Module:
+    """Data parallelism as the layout says: FSDP (ZeRO-2/3, HSDP), DDP, or nothing."""
+    lay = dims.layout
+    if lay.dp_wrapper == "fsdp":
+        return apply_fsdp(
+            model,
+            dims.fsdp_mesh,  # HSDP's 2-D mesh, or the shard dim (periodic modes: inside each replica only)
+            reshard_after_forward=lay.reshard_after_forward,
+            param_dtype=param_dtype,
+            cpu_offload=lay.cpu_offload,
+            block_classes=block_classes,
+        )
+    if lay.dp_wrapper == "ddp":
+        return apply_ddp(model, dims.mesh["dp_replicate"].get_group(), compression=lay.ddp_compression, device=device)
+    return model
 
 
 def apply_autocast(model: nn.Module, device_type: str, dtype: torch.dtype) -> nn.Module:
