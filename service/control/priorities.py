@@ -8,17 +8,20 @@
   runs of its own project; ``any``), lowest priority first, then the most recently started (it loses the least).
   None when no set of them would make room. The scheduler asks them to checkpoint and yield (they go PREEMPTED, then
   QUEUED, and resume later from that checkpoint: no step is lost).
+- ``plan_admission(...)``: one whole admission pass decided (held re-plans, quotas, ``admission.decide``, the
+  victims for the head of the queue) as an ``AdmissionPlan``; the scheduler acts on it, writing every state change
+  through the run controller (``service.store.controller``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Literal
 
 from service.cluster.placement import NodeCapacity, place, worker_resources
-from service.control.admission import Candidate, admission_order
+from service.control.admission import Candidate, Decision, admission_order, decide
 
 PreemptionMode = Literal["off", "project", "any"]
 
@@ -122,3 +125,45 @@ def choose_victims(
         if place(candidate.plan, after, reserved=reserved).fits:
             return chosen
     return None
+
+
+@dataclass(frozen=True)
+class AdmissionPlan:
+    """One admission pass, decided: nothing is written until the scheduler acts on it."""
+
+    reasons: dict[str, str]  # queued runs that only get a new reason (held by a re-plan, over their quota)
+    decisions: list[Decision]  # the other queued runs, in admission order
+    victims: list[Holding]  # asked to checkpoint and yield so that ``preempt_for`` fits (may be empty)
+    preempt_for: Candidate | None = None
+
+
+def plan_admission(
+    queue: Sequence[Candidate],
+    projects: Mapping[str, str],
+    holding: Sequence[Holding],
+    held: Mapping[str, str],
+    nodes: Sequence[NodeCapacity],
+    reserved: Mapping[str, Mapping[str, float]],
+    *,
+    quotas: Mapping[str, int],
+    preemption: PreemptionMode,
+) -> AdmissionPlan:
+    """Decide one admission pass (pure). ``projects``: candidate id -> project; ``held``: re-planned runs whose
+    previous Ray Job still runs -> that job (they wait for it to stop); the rest as in ``quota_waits``,
+    ``admission.decide`` and ``choose_victims``."""
+    wait = "re-planned: waiting for its previous Ray Job {} to stop"
+    reasons = {c.id: wait.format(held[c.id]) for c in queue if c.id in held}
+    queue = [c for c in queue if c.id not in held]
+    over = quota_waits(queue, projects, holding, quotas)
+    reasons.update(over)
+    decisions = decide([c for c in queue if c.id not in over], nodes, reserved).decisions
+    head = next((d for d in decisions if d.action == "wait" and d.placement is not None), None)
+    if head is None or preemption == "off":
+        return AdmissionPlan(reasons, decisions, [])
+    c = head.candidate
+    victims = choose_victims(c, projects.get(c.id, ""), nodes, reserved, holding, preemption) or []
+    if not victims:
+        return AdmissionPlan(reasons, decisions, [])
+    why = f"{head.reason}; preempting lower-priority {', '.join(v.id for v in victims)} (they checkpoint first)"
+    decisions = [replace(d, reason=why) if d is head else d for d in decisions]
+    return AdmissionPlan(reasons, decisions, victims, c)

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.spec import RunSpec, RunStatus
 from service import store
+from service.store import controller
 from service.store.db import session_scope
 from service.store.models import RunEvent
 
@@ -41,8 +42,6 @@ def requeue_lost_runs(factory: sessionmaker[Session], *, detail: str) -> list[st
         try:
             if _recover(factory, run_id, detail=detail):
                 requeued.append(run_id)
-        except store.Conflict:
-            pass  # ended meanwhile
         except Exception:
             logger.exception("recovering run %s after the Ray head was lost failed", run_id)
     return requeued
@@ -57,7 +56,7 @@ def _recover(factory: sessionmaker[Session], run_id: str, *, detail: str) -> boo
         losses = head_losses(s, run_id=run_id) + 1
         s.add(RunEvent(run_id=run_id, kind=EVENT_KIND, reason=f"{HEAD_LOST}: {detail}", actor="service"))
         if allowed != -1 and losses > allowed:
-            store.end_run(
+            controller.end_run(
                 s,
                 run_id=run_id,
                 to=RunStatus.FAILED,
@@ -67,19 +66,19 @@ def _recover(factory: sessionmaker[Session], run_id: str, *, detail: str) -> boo
             )
             logger.warning("run %s: %s; max_failures=%s reached, FAILED", run_id, HEAD_LOST, allowed)
             return False
-        if run.attempts:
-            store.finish_attempt(s, run_id=run_id, attempt=run.attempts, status=RunStatus.FAILED.value, cause=HEAD_LOST)
         ck = store.latest_checkpoint(s, run_id=run_id)
         what = f"from the checkpoint of step {ck.step}" if ck is not None else "from scratch (no checkpoint yet)"
         budget = "unlimited" if allowed == -1 else f"{losses} of max_failures={allowed}"
-        store.transition(
+        res = controller.requeue_run(
             s,
             run_id=run_id,
-            to=RunStatus.QUEUED,
             reason=f"{HEAD_LOST}: {detail}; resuming {what} (failure {budget})",
             actor="service",
+            attempt_cause=HEAD_LOST,
             resume_from=ck.path if ck is not None else None,
             summary=None,
         )
+        if not res.changed:
+            return False
     logger.warning("run %s: %s; requeued to resume", run_id, HEAD_LOST)
     return True

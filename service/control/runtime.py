@@ -29,6 +29,7 @@ from service.cluster.placement import never_fits as _never_fits
 from service.control.recovery import requeue_lost_runs
 from service.control.scheduler import Scheduler
 from service.settings import Settings
+from service.store import controller
 from service.store.db import session_scope
 from service.store.run_calibration import calibrate_from_runs
 
@@ -265,10 +266,10 @@ class Runtime:
         with session_scope(self.factory) as s:
             run = store.get_run(s, run_id=run_id)
             job_id = run.ray_job_id
-            if not RunStatus(run.status).terminal:
-                store.end_run(
+            if not RunStatus(run.status).terminal:  # refused (it ended meanwhile): 409
+                controller.end_run(
                     s, run_id=run_id, to=RunStatus.CANCELLED, reason=f"cancelled by {actor or 'user'}", actor=actor
-                )
+                ).or_raise()
         if self.scheduler is not None:
             self.scheduler.pending.pop(run_id, None)
             self.scheduler.replanning.pop(run_id, None)  # a cancel during an elastic re-plan stays a cancel
@@ -336,7 +337,7 @@ class Runtime:
             what = f"from checkpoint of step {ck.step}" if ck is not None else "fresh from step 0 (no checkpoint)"
             if layout is not None:
                 what += f" with layout dp={plan.dp} tp={plan.tp} pp={plan.pp}"
-            store.transition(
+            controller.request_run(  # refused (it moved meanwhile): 409
                 s,
                 run_id=run_id,
                 to=RunStatus.QUEUED,
@@ -347,7 +348,7 @@ class Runtime:
                 plan=plan.model_dump(mode="json"),
                 resume_from=resume_from,
                 summary=None,
-            )
+            ).or_raise()
         self.wake()
 
 

@@ -4,9 +4,11 @@
 
 - admit, in three steps (the Ray Train V2 controller's pattern): *observe* the QUEUED runs, the alive nodes' free
   resources and the reservations of runs admitted moments ago (their workers have not started yet); *decide* with
-  ``service.control.admission.decide``, a pure function (priority, then FIFO; strict order, no overtaking; the
-  reason of every wait: "needs 8 worker slots of 1 CPU; 3 free"); *act* on each decision: an admitted run moves to
-  STARTING and gets one Ray Job (``python -m service.runs.driver --run-id ...``, submission id
+  ``service.control.priorities.plan_admission`` over ``service.control.admission.decide``, pure functions that write
+  nothing (priority, then FIFO; strict order, no overtaking; project quotas; preemption victims; the reason of every
+  wait: "needs 8 worker slots of 1 CPU; 3 free"); *act* on each decision, every state change asked of the run
+  controller (``service.store.controller``: a typed result, refused when the run moved meanwhile): an admitted run
+  moves to STARTING and gets one Ray Job (``python -m service.runs.driver --run-id ...``, submission id
   ``meshrun-<run>-<n>``, metadata run id/name/project, the placement in its environment); a waiting one gets the
   reason; a failed submission re-queues the run with the error. A sweep trial's run (``sweep_id`` set) joins the
   same queue: admitted, it only moves to STARTING (its sweep's driver waits for that, then starts its workers).
@@ -25,7 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -37,13 +39,14 @@ from service.cluster.env import job_runtime_env, python_command
 from service.cluster.head import NodeView
 from service.cluster.jobs import JobsBackend, submission_id, submission_number, trim
 from service.cluster.placement import NodeCapacity, Placement, add_reservations, place, reservation
-from service.control.admission import Candidate, Decision, decide
+from service.control.admission import Candidate, Decision
 from service.control.elastic import EVENT_KIND as ELASTIC_EVENT
 from service.control.elastic import Replan, grow, held_per_node, lost_nodes, max_dp, replan, with_own
-from service.control.priorities import Holding, choose_victims, quota_waits
+from service.control.priorities import AdmissionPlan, Holding, plan_admission
 from service.runs.preemption import PREEMPT_REQUEST
 from service.security.policy import resolve_code_dir
 from service.settings import Settings
+from service.store import controller
 from service.store.db import session_scope
 
 logger = logging.getLogger(__name__)
@@ -146,9 +149,10 @@ class Scheduler:
         return add_reservations(*(reservation(p.placement) for p in self.pending.values()))
 
     def admit(self) -> list[str]:
-        """One admission pass: observe (queue, nodes, reservations, runs holding workers), decide (project quotas,
-        ``admission.decide``, preemption: all pure), act. Returns the admitted run ids. With nothing queued, elastic
-        runs below their ``max_dp`` may grow back (``_grow``)."""
+        """One admission pass: observe (queue, nodes, reservations, runs holding workers), decide
+        (``priorities.plan_admission``: quotas, ``admission.decide``, preemption victims; pure, nothing written),
+        act (``_act_on``: reasons, preemption requests, and every state change through the run controller). Returns
+        the admitted run ids. With nothing queued, elastic runs below their ``max_dp`` may grow back (``_grow``)."""
         self._apply_growth()
         with session_scope(self.factory) as s:
             queued = store.queued_runs(s)
@@ -166,25 +170,30 @@ class Scheduler:
         if not queue:
             self._grow()
             return []
-        held = self._held()
-        for run_id in held & set(runs):
-            with session_scope(self.factory) as s:
-                wait = f"re-planned: waiting for its previous Ray Job {self.replanning[run_id]} to stop"
-                store.set_reason(s, run_id=run_id, reason=wait)
-        queue = [c for c in queue if c.id not in held]
-        over = quota_waits(queue, {k: v[1] for k, v in runs.items()}, holding, self.settings.project_max_workers)
-        for run_id, reason in over.items():
+        held = {run_id: self.replanning[run_id] for run_id in self._held()}
+        plan = plan_admission(
+            queue,
+            {k: v[1] for k, v in runs.items()},
+            holding,
+            held,
+            self.capacities(),
+            self._reserved(),
+            quotas=self.settings.project_max_workers,
+            preemption=self.settings.preemption,
+        )
+        return self._act_on(plan, runs, trials)
+
+    def _act_on(
+        self, plan: AdmissionPlan, runs: dict[str, tuple[str, str, str | None, int]], trials: set[str]
+    ) -> list[str]:
+        """Carry out a decided admission pass; returns the admitted run ids."""
+        for run_id, reason in plan.reasons.items():
             with session_scope(self.factory) as s:
                 store.set_reason(s, run_id=run_id, reason=reason)
-        queue = [c for c in queue if c.id not in over]
-        nodes, reserved = self.capacities(), self._reserved()
-        decisions = decide(queue, nodes, reserved).decisions
-        head = next((d for d in decisions if d.action == "wait" and d.placement is not None), None)
-        if head is not None and self.settings.preemption != "off":
-            why = self._preempt_for(head, runs[head.candidate.id][1], nodes, reserved, holding)
-            decisions = [replace(d, reason=why) if d is head and why else d for d in decisions]
+        if plan.preempt_for is not None:
+            self._ask_to_yield(plan.preempt_for, plan.victims)
         admitted = []
-        for d in decisions:
+        for d in plan.decisions:
             if d.candidate.id in trials:
                 ok = self._act_trial(d, attempts=runs[d.candidate.id][3])
             else:
@@ -264,58 +273,40 @@ class Scheduler:
         if d.action != "admit" or d.placement is None:
             return self._act(d, "", "", None, attempts)  # wait/fail as for any run
         with session_scope(self.factory) as s:
-            try:
-                store.transition(
-                    s,
-                    run_id=run_id,
-                    to=RunStatus.STARTING,
-                    actor="scheduler",
-                    reason=f"{d.reason}; the sweep's driver starts the workers",
-                    allow_from=[RunStatus.QUEUED],
-                )
-            except store.Conflict:
-                return False
+            res = controller.request_run(
+                s,
+                run_id=run_id,
+                to=RunStatus.STARTING,
+                actor="scheduler",
+                reason=f"{d.reason}; the sweep's driver starts the workers",
+                allow_from=[RunStatus.QUEUED],
+            )
+            if not res.applied:
+                return False  # cancelled meanwhile
             store.add_phase(s, run_id=run_id, phase="admitted: starting in the sweep's Ray Job", actor="scheduler")
         self.pending[run_id] = _Pending(placement=d.placement, attempts_at_admission=attempts)
         logger.info("sweep trial run %s admitted", run_id)
         return True
 
-    def _preempt_for(
-        self,
-        head: Decision,
-        project: str,
-        nodes: list[NodeCapacity],
-        reserved: dict[str, dict[str, float]],
-        holding: list[Holding],
-    ) -> str | None:
+    def _ask_to_yield(self, head: Candidate, victims: list[Holding]) -> None:
         """Ask the lower-priority runs that make room for ``head`` to checkpoint and yield (their drivers read the
-        ``preempt_request`` event, see ``service.runs.preemption``); ``head`` waits with that reason."""
-        active = {h.id for h in holding}
-        self.preempting = {k: v for k, v in self.preempting.items() if k in active}
-        victims = choose_victims(head.candidate, project, nodes, reserved, holding, self.settings.preemption)
-        if not victims:
-            return None
-        c = head.candidate
+        ``preempt_request`` event, see ``service.runs.preemption``); each is asked once."""
         with session_scope(self.factory) as s:
             for v in victims:
                 if v.id in self.preempting:
                     continue
-                self.preempting[v.id] = c.id
-                why = f"preempted by run {c.id} (priority {c.priority} > {v.priority}); it resumes from a checkpoint"
+                self.preempting[v.id] = head.id
+                why = f"preempted by run {head.id} (priority {head.priority} > {v.priority})"
+                why += "; it resumes from a checkpoint"
                 store.add_event(s, run_id=v.id, kind=PREEMPT_REQUEST, reason=why, actor="scheduler")
                 logger.info("run %s: %s", v.id, why)
-        ids = ", ".join(v.id for v in victims)
-        return f"{head.reason}; preempting lower-priority {ids} (they checkpoint first)"
 
     def _act(self, d: Decision, name: str, project: str, old_job: str | None, attempts: int) -> bool:
         """Carry out one decision; True when the run was admitted (submitted as its Ray Job)."""
         run_id = d.candidate.id
         if d.action == "fail":
-            try:
-                with session_scope(self.factory) as s:
-                    store.transition(s, run_id=run_id, to=RunStatus.FAILED, reason=d.reason, actor="scheduler")
-            except store.Conflict:
-                pass  # cancelled meanwhile
+            with session_scope(self.factory) as s:  # refused: cancelled meanwhile
+                controller.request_run(s, run_id=run_id, to=RunStatus.FAILED, reason=d.reason, actor="scheduler")
             return False
         if d.action == "wait":
             with session_scope(self.factory) as s:
@@ -349,18 +340,17 @@ class Scheduler:
         sid = submission_id(run_id, n)
         dash = self.cluster.dashboard_url
         with session_scope(self.factory) as s:
-            try:
-                store.transition(
-                    s,
-                    run_id=run_id,
-                    to=RunStatus.STARTING,
-                    actor="scheduler",
-                    reason=f"{reason}; Ray Job {sid}",
-                    allow_from=[RunStatus.QUEUED],
-                    ray_job_id=sid,
-                    dashboard_url=f"{dash}/#/jobs/{sid}" if dash else None,
-                )
-            except store.Conflict:
+            res = controller.request_run(
+                s,
+                run_id=run_id,
+                to=RunStatus.STARTING,
+                actor="scheduler",
+                reason=f"{reason}; Ray Job {sid}",
+                allow_from=[RunStatus.QUEUED],
+                ray_job_id=sid,
+                dashboard_url=f"{dash}/#/jobs/{sid}" if dash else None,
+            )
+            if not res.applied:
                 return False  # cancelled meanwhile
             code = (store.get_run(s, run_id=run_id).spec.get("code") or {}).get("working_dir")
         code_dir = resolve_code_dir(code, self.settings) if code else None
@@ -377,19 +367,16 @@ class Scheduler:
         except Exception as e:
             logger.exception("submitting run %s failed", run_id)
             self.jobs.reset()
-            with session_scope(self.factory) as s:
-                try:
-                    store.transition(
-                        s,
-                        run_id=run_id,
-                        to=RunStatus.QUEUED,
-                        actor="scheduler",
-                        reason=trim(f"Ray Job submission failed, will retry: {e}", 1000),
-                        allow_from=[RunStatus.STARTING],
-                        ray_job_id=sid,
-                    )
-                except store.Conflict:
-                    pass
+            with session_scope(self.factory) as s:  # refused: cancelled meanwhile
+                controller.request_run(
+                    s,
+                    run_id=run_id,
+                    to=RunStatus.QUEUED,
+                    actor="scheduler",
+                    reason=trim(f"Ray Job submission failed, will retry: {e}", 1000),
+                    allow_from=[RunStatus.STARTING],
+                    ray_job_id=sid,
+                )
             return False
         self.pending[run_id] = _Pending(placement=placement, attempts_at_admission=attempts)
         with session_scope(self.factory) as s:
@@ -486,16 +473,14 @@ class Scheduler:
             ck = store.latest_checkpoint(s, run_id=run_id)
             where = f"the checkpoint of step {ck.step}" if ck is not None else "its start (no checkpoint yet)"
             reason = trim(f"{new.reason} (from {where})", 1000)
-            if run.attempts:
-                store.finish_attempt(s, run_id=run_id, attempt=run.attempts, status=RunStatus.FAILED.value, cause=why)
             store.add_event(s, run_id=run_id, kind=ELASTIC_EVENT, reason=reason, actor="scheduler")
-            store.transition(
+            controller.requeue_run(
                 s,
                 run_id=run_id,
-                to=RunStatus.QUEUED,
                 reason=reason,
                 actor="scheduler",
                 allow_from=[RunStatus.RUNNING],
+                attempt_cause=why,
                 spec=new.spec.model_dump(mode="json"),
                 plan=new.plan.model_dump(mode="json"),
                 resume_from=ck.path if ck is not None else run.resume_from,
@@ -530,16 +515,13 @@ class Scheduler:
             if RunStatus(store.get_run(s, run_id=run_id).status).terminal:
                 return False
             summ = store.summarize_metrics(s, run_id=run_id)
-            try:
-                store.end_run(
-                    s,
-                    run_id=run_id,
-                    to=RunStatus.FAILED,
-                    reason=trim(reason, 2000),
-                    actor="scheduler",
-                    attempt_cause=reason.split(":", 1)[0],
-                    summary={k: v for k, v in summ.items() if k != "peak_memory_bytes"},
-                )
-            except store.Conflict:
-                return False
-        return True
+            res = controller.end_run(
+                s,
+                run_id=run_id,
+                to=RunStatus.FAILED,
+                reason=trim(reason, 2000),
+                actor="scheduler",
+                attempt_cause=reason.split(":", 1)[0],
+                summary={k: v for k, v in summ.items() if k != "peak_memory_bytes"},
+            )
+        return res.changed

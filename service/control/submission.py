@@ -21,6 +21,7 @@ from service.errors import InvalidRequest, Unavailable
 from service.planner import Factors, best_alternative, predict_run
 from service.security.policy import check_spec_policy
 from service.settings import Settings
+from service.store import controller
 from service.store.calibrations import cluster_key, latest_factors
 from service.store.models import Run
 from service.sweeps import cancel_trial_run
@@ -161,22 +162,19 @@ def cancel_run(session: Session, *, run_id: str, scope: str | None, actor: str, 
         raise store.Conflict(f"run '{run_id}' is already {status.value}; nothing to cancel", param="status")
     store.add_event(session, run_id=run_id, kind="audit", reason=f"cancel requested by {actor}", actor=actor)
     if status == RunStatus.QUEUED:
-        try:
-            return store.transition(
-                session,
-                run_id=run_id,
-                to=RunStatus.CANCELLED,
-                reason=f"cancelled by {actor}",
-                actor=actor,
-                allow_from=[RunStatus.QUEUED],
-            )
-        except store.Conflict:
-            session.refresh(run)  # admitted meanwhile: cancel through the runtime
-            status = RunStatus(run.status)
-            if status.terminal:
-                raise store.Conflict(
-                    f"run '{run_id}' is already {status.value}; nothing to cancel", param="status"
-                ) from None
+        res = controller.request_run(
+            session,
+            run_id=run_id,
+            to=RunStatus.CANCELLED,
+            reason=f"cancelled by {actor}",
+            actor=actor,
+            allow_from=[RunStatus.QUEUED],
+        )
+        if res.applied:
+            return res.subject
+        status = RunStatus(res.from_)  # admitted meanwhile: cancel through the runtime
+        if status.terminal:
+            raise store.Conflict(f"run '{run_id}' is already {status.value}; nothing to cancel", param="status")
     if run.sweep_id and status in (RunStatus.STARTING, RunStatus.RUNNING):
         return cancel_trial_run(session, run=run, actor=actor)  # a trial's Ray Job is its sweep's: stop only this
     if runtime is None:

@@ -57,7 +57,7 @@ def _inspect_user_model(life: RunLifecycle, spec: RunSpec, plan: Plan) -> Plan |
     try:
         plan, info = inspect_in_driver(spec, plan)
     except InspectionFailed as e:
-        life.transition(RunStatus.FAILED, trim(f"model inspection failed: {e.message}"))
+        life.request(RunStatus.FAILED, trim(f"model inspection failed: {e.message}"))
         return None
     if not record_inspection(life, plan, describe(info)):
         return None  # revoked meanwhile: the run is no longer this driver's

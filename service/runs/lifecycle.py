@@ -12,8 +12,9 @@ A driver:
 3. trains (``service.runs.trainer.build_trainer(...).fit()``) and turns the result into an ``Outcome``
    (``life.failed(error)`` names the workers' exception);
 4. ``life.finish(outcome, wall_s=...)`` ends the current attempt and the run with the outcome and its summary.
-   A terminal state set meanwhile by someone else (a cancel) is never overwritten (``store.transition`` raises
-   Conflict); an ``Outcome`` without a status (the run was ended externally) writes only the summary's inputs.
+   A terminal state set meanwhile by someone else (a cancel) is never overwritten (the run controller,
+   ``service.store.controller``, refuses the move); an ``Outcome`` without a status (the run was ended externally)
+   writes only the summary's inputs. Every state change of the run or an attempt is asked of that controller.
 
 Only the driver writes a running run's attempts, metrics and checkpoints, and only while its attempt is current:
 every write happens in a transaction that first passes ``store.fence`` (the run is STARTING or RUNNING under the
@@ -46,6 +47,7 @@ from service import store
 from service.cluster.jobs import format_worker_exceptions, open_channel, trim
 from service.runs.hangs import diagnose, dump_and_kill, state_dir
 from service.runs.watch import HangWatch, StragglerWatch
+from service.store import controller
 from service.store.artifacts import PROFILE_REQUEST, add_artifact
 from service.store.db import session_scope
 
@@ -158,14 +160,14 @@ class Recorder:
     def _attempt(self, s: Session, ev: dict[str, Any]) -> None:
         """A new worker group: the previous attempt (if any) failed; record the new one and where its ranks run."""
         if self.current_attempt is not None:
-            store.finish_attempt(
+            controller.end_attempt(
                 s,
                 run_id=self.run_id,
                 attempt=self.current_attempt,
-                status=RunStatus.FAILED.value,
+                status=RunStatus.FAILED,
                 cause=self.attempt_cause(),
             )
-        att = store.start_attempt(
+        att = controller.start_attempt(
             s, run_id=self.run_id, cause=ev.get("cause") or "start", train_run_name=self.train_run_name
         )
         if att.attempt != ev["attempt"]:
@@ -351,22 +353,20 @@ class RunLifecycle:
             checkpoint_keep=self.checkpoint_keep,
         )
 
-    def transition(self, to: RunStatus, reason: str, **fields: Any) -> bool:
-        """Move the run; False (logged) when its state does not allow it (e.g. cancelled meanwhile) or this
+    def request(self, to: RunStatus, reason: str, **fields: Any) -> bool:
+        """Ask the run controller to move the run; False (logged) when it refuses (e.g. cancelled meanwhile) or this
         driver's attempt was revoked (``store.fence``)."""
-        try:
-            with session_scope(self.factory) as s:
-                if not store.fence(s, run_id=self.run_id, job_id=self.job_id):
-                    logger.info("not moving run %s to %s: this driver's attempt was revoked", self.run_id, to.value)
-                    return False
-                store.transition(s, run_id=self.run_id, to=to, reason=reason, actor=self.actor, **fields)
-            return True
-        except store.Conflict as e:
-            logger.info("not moving run %s to %s: %s", self.run_id, to.value, e)
-            return False
+        with session_scope(self.factory) as s:
+            if not store.fence(s, run_id=self.run_id, job_id=self.job_id):
+                logger.info("not moving run %s to %s: this driver's attempt was revoked", self.run_id, to.value)
+                return False
+            res = controller.request_run(s, run_id=self.run_id, to=to, reason=reason, actor=self.actor, **fields)
+        if not res.applied:
+            logger.info("not moving run %s to %s: %s", self.run_id, to.value, res.refused_reason)
+        return res.applied
 
     def start(self, reason: str) -> bool:
-        return self.transition(RunStatus.RUNNING, reason)
+        return self.request(RunStatus.RUNNING, reason)
 
     def write(self, what: str, fn: Callable[[Session], object]) -> bool:
         """``fn(session)`` in one transaction behind this driver's fence (``store.fence``): False, with nothing
@@ -496,40 +496,27 @@ class RunLifecycle:
         """After a preemption: the current attempt and the run PREEMPTED with ``reason``, then QUEUED to resume from
         the latest checkpoint (the scheduler admits it again as a new Ray Job). False when the run was ended
         meanwhile (a cancel wins)."""
-        try:
-            with session_scope(self.factory) as s:
-                if not store.fence(s, run_id=self.run_id, job_id=self.job_id):
-                    logger.info("not re-queueing run %s: this driver's attempt was revoked", self.run_id)
-                    return False
-                if self.recorder.current_attempt is not None:
-                    store.finish_attempt(
-                        s,
-                        run_id=self.run_id,
-                        attempt=self.recorder.current_attempt,
-                        status=RunStatus.PREEMPTED.value,
-                        cause=reason[:500],
-                    )
-                store.transition(
-                    s,
-                    run_id=self.run_id,
-                    to=RunStatus.PREEMPTED,
-                    reason=reason,
-                    actor=self.actor,
-                    allow_from=[RunStatus.RUNNING, RunStatus.STARTING],
-                )
-                ck = store.latest_checkpoint(s, run_id=self.run_id)
-                fields: dict[str, Any] = {"resume_from": ck.path} if ck is not None else {}
-                where = f"the checkpoint of step {ck.step}" if ck is not None else "its start (no checkpoint)"
-                store.transition(
-                    s,
-                    run_id=self.run_id,
-                    to=RunStatus.QUEUED,
-                    reason=f"back in the queue after preemption; resumes from {where}",
-                    actor=self.actor,
-                    **fields,
-                )
-        except store.Conflict as e:
-            logger.info("not re-queueing run %s: %s", self.run_id, e)
+        with session_scope(self.factory) as s:
+            if not store.fence(s, run_id=self.run_id, job_id=self.job_id):
+                logger.info("not re-queueing run %s: this driver's attempt was revoked", self.run_id)
+                return False
+            ck = store.latest_checkpoint(s, run_id=self.run_id)
+            fields: dict[str, Any] = {"resume_from": ck.path} if ck is not None else {}
+            where = f"the checkpoint of step {ck.step}" if ck is not None else "its start (no checkpoint)"
+            res = controller.requeue_run(
+                s,
+                run_id=self.run_id,
+                reason=f"back in the queue after preemption; resumes from {where}",
+                actor=self.actor,
+                preempted_reason=reason,
+                allow_from=[RunStatus.RUNNING, RunStatus.STARTING],
+                attempt=self.recorder.current_attempt or 0,
+                attempt_status=RunStatus.PREEMPTED,
+                attempt_cause=reason[:500],
+                **fields,
+            )
+        if not res.changed:
+            logger.info("not re-queueing run %s: %s", self.run_id, res.refused_reason)
             return False
         logger.info("run %s: preempted (%s), re-queued", self.run_id, reason[:200])
         return True
@@ -540,17 +527,17 @@ class RunLifecycle:
             summary = self.summary(s, wall_s=wall_s)
             current = store.fence(s, run_id=self.run_id, job_id=self.job_id)
             if outcome.status is not None and self.recorder.current_attempt is not None and current:
-                store.finish_attempt(
+                controller.end_attempt(
                     s,
                     run_id=self.run_id,
                     attempt=self.recorder.current_attempt,
-                    status=outcome.status.value,
+                    status=outcome.status,
                     cause=None if outcome.status == RunStatus.SUCCEEDED else outcome.reason[:500],
                 )
             if outcome.detail and current:
                 store.add_event(s, run_id=self.run_id, kind="error", reason=outcome.detail, actor=self.actor)
         if outcome.status is not None:
-            self.transition(outcome.status, outcome.reason, summary=summary)
+            self.request(outcome.status, outcome.reason, summary=summary)
         logger.info(
             "run %s: %s (%s)%s",
             self.run_id,

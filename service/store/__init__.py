@@ -1,7 +1,10 @@
-"""The run database: engine and sessions (``db``), ORM tables (``models``), migrations (``migrate``) and the
-keyword-only operations on runs, attempts, events, metrics and checkpoints (``runs``, re-exported here so callers
-write ``store.create_run(...)``)."""
+"""The run database: engine and sessions (``db``), ORM tables (``models``), migrations (``migrate``), the
+keyword-only operations on runs, events, metrics and checkpoints (``runs``, re-exported here so callers write
+``store.create_run(...)``) and the run controller (``controller``), the only code that changes a run's, an
+attempt's, a sweep's or a trial's status (its strict forms ``transition``/``end_run`` are re-exported here)."""
 
+from service.errors import Conflict
+from service.store.controller import end_run, start_attempt, transition
 from service.store.metrics import (
     METRIC_FIELDS,
     add_metrics,
@@ -18,7 +21,6 @@ from service.store.metrics import (
 from service.store.runs import (
     TERMINAL,
     TOTAL_CAP,
-    Conflict,
     NotFound,
     S,
     active_runs,
@@ -27,10 +29,8 @@ from service.store.runs import (
     add_phase,
     checkpoint_exists,
     create_run,
-    end_run,
     fence,
     find_by_idempotency_key,
-    finish_attempt,
     get_run,
     latest_checkpoint,
     list_attempts,
@@ -40,8 +40,6 @@ from service.store.runs import (
     new_id,
     queued_runs,
     set_reason,
-    start_attempt,
-    transition,
 )
 
 __all__ = [
@@ -65,7 +63,6 @@ __all__ = [
     "add_phase",
     "list_events",
     "start_attempt",
-    "finish_attempt",
     "list_attempts",
     "json_safe",
     "add_metrics",

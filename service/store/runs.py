@@ -1,13 +1,13 @@
 """Run database operations: keyword-only functions over a Session. The caller owns the transaction.
 
-The run state machine lives here (``ALLOWED``): every status change goes through ``transition``, which
-refuses illegal moves with ``Conflict`` and records a ``run_events`` row with its reason.
+A run is created QUEUED here (``create_run``); every later change of its status or of an attempt's goes through
+the run controller (``service.store.controller``), which owns the transition table.
 """
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar, overload
@@ -17,25 +17,13 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.spec import TERMINAL_STATUSES, RunStatus
-from service.errors import Conflict, NotFound
+from service.errors import NotFound
 from service.store.models import Checkpoint, Run, RunAttempt, RunEvent, Sweep, utcnow
 
 # ``total`` of a list is counted up to this many rows (a bounded cost whatever the history); beyond, it is capped
 TOTAL_CAP = 1_000
 
 S = RunStatus
-ALLOWED: dict[RunStatus, frozenset[RunStatus]] = {
-    S.QUEUED: frozenset({S.STARTING, S.CANCELLED, S.FAILED}),
-    S.STARTING: frozenset({S.RUNNING, S.SUCCEEDED, S.FAILED, S.CANCELLED, S.QUEUED, S.PREEMPTED}),
-    # RUNNING -> QUEUED: its Ray head was lost and the service requeues it to resume (service.control.recovery)
-    S.RUNNING: frozenset({S.SUCCEEDED, S.FAILED, S.CANCELLED, S.PREEMPTED, S.QUEUED}),
-    # preempted (a notice or a higher-priority run): checkpointed, then straight back to the queue
-    S.PREEMPTED: frozenset({S.QUEUED, S.FAILED, S.CANCELLED}),
-    # terminal states only leave through an explicit resume
-    S.SUCCEEDED: frozenset(),
-    S.FAILED: frozenset({S.QUEUED}),
-    S.CANCELLED: frozenset({S.QUEUED}),
-}
 TERMINAL = TERMINAL_STATUSES
 Keyed = TypeVar("Keyed", Run, Sweep)  # tables with ``project`` and ``idempotency_key`` columns
 
@@ -198,63 +186,6 @@ def active_runs(session: Session) -> list[Run]:
     return list(session.scalars(select(Run).where(Run.status.in_([S.STARTING.value, S.RUNNING.value]))).all())
 
 
-def transition(
-    session: Session,
-    *,
-    run_id: str,
-    to: RunStatus | str,
-    reason: str | None = None,
-    actor: str | None = None,
-    allow_from: Iterable[RunStatus | str] | None = None,
-    **fields: Any,
-) -> Run:
-    """Move a run to ``to`` (row-locked), record the event, set timestamps and any extra ``fields``.
-
-    Raises Conflict if the move is not allowed from the current status (or not in ``allow_from``).
-    A move to the status the run already has is a no-op that returns the run.
-    """
-    to = RunStatus(to)
-    run = get_run(session, run_id=run_id, lock=True)
-    cur = RunStatus(run.status)
-    if cur == to and not fields:
-        return run
-    allowed = (
-        ALLOWED[cur] if allow_from is None or cur.value in {RunStatus(s).value for s in allow_from} else frozenset()
-    )
-    if cur != to and to not in allowed:
-        raise Conflict(f"run '{run_id}' is {cur.value}; it cannot become {to.value}", param="status")
-    now = utcnow()
-    if cur != to:
-        run.status = to.value
-        run.status_reason = reason
-        session.add(
-            RunEvent(
-                run_id=run.id,
-                kind="state",
-                from_status=cur.value,
-                to_status=to.value,
-                reason=reason,
-                actor=actor,
-                time=now,
-            )
-        )
-        if to == S.RUNNING and run.started_at is None:
-            run.started_at = now
-        if to in TERMINAL:
-            run.finished_at = now
-        if to == S.QUEUED:
-            # a resumed run starts over: no finish time, no summary or node placement of the previous attempt
-            # (ray_job_id is overwritten by the next submission)
-            run.finished_at = None
-            run.summary = None
-            run.rank_nodes = None
-    for k, v in fields.items():
-        setattr(run, k, v)
-    run.updated_at = now
-    session.flush()
-    return run
-
-
 def fence(session: Session, *, run_id: str, job_id: str | None) -> bool:
     """A driver's write fence: True when the run is STARTING or RUNNING and (with ``job_id``) its current Ray Job is
     ``job_id``; then the run's row is locked for this transaction (a conditional UPDATE), so a terminal transition or
@@ -265,28 +196,6 @@ def fence(session: Session, *, run_id: str, job_id: str | None) -> bool:
         stmt = stmt.where(Run.ray_job_id == job_id)
     result = session.execute(stmt.values(updated_at=utcnow()).execution_options(synchronize_session=False))
     return int(getattr(result, "rowcount", 0) or 0) == 1
-
-
-def end_run(
-    session: Session,
-    *,
-    run_id: str,
-    to: RunStatus | str,
-    reason: str,
-    actor: str | None = None,
-    attempt_cause: str | None = None,
-    **fields: Any,
-) -> Run:
-    """Move a run to a terminal status (``transition``: Conflict when it may not) and end its current attempt with
-    the same status; a failed or cancelled attempt records ``attempt_cause`` (default: the reason) as its end."""
-    to = RunStatus(to)
-    if not to.terminal:
-        raise ValueError(f"end_run needs a terminal status, not {to.value}")
-    run = transition(session, run_id=run_id, to=to, reason=reason, actor=actor, **fields)
-    if run.attempts:
-        cause = None if to == S.SUCCEEDED else (attempt_cause or reason)[:500]
-        finish_attempt(session, run_id=run_id, attempt=run.attempts, status=to.value, cause=cause)
-    return run
 
 
 def set_reason(session: Session, *, run_id: str, reason: str) -> None:
@@ -359,25 +268,6 @@ def list_events(
 
 
 # --------------------------------------------------------------------------------------------- attempts
-def start_attempt(session: Session, *, run_id: str, cause: str, train_run_name: str | None = None) -> RunAttempt:
-    """Record a new attempt (1, 2, ...) and bump the run's counter."""
-    run = get_run(session, run_id=run_id, lock=True)
-    run.attempts = (run.attempts or 0) + 1
-    att = RunAttempt(run_id=run_id, attempt=run.attempts, cause=cause, train_run_name=train_run_name)
-    session.add(att)
-    session.add(RunEvent(run_id=run_id, kind="attempt", reason=f"attempt {run.attempts}: {cause}"))
-    session.flush()
-    return att
-
-
-def finish_attempt(session: Session, *, run_id: str, attempt: int, status: str, cause: str | None = None) -> None:
-    att = session.scalar(select(RunAttempt).where(RunAttempt.run_id == run_id, RunAttempt.attempt == attempt))
-    if att is not None and att.finished_at is None:
-        att.status, att.finished_at = status, utcnow()
-        if cause:
-            att.cause = f"{att.cause}; ended: {cause}" if att.cause else cause
-
-
 def list_attempts(session: Session, *, run_id: str) -> list[RunAttempt]:
     return list(
         session.scalars(select(RunAttempt).where(RunAttempt.run_id == run_id).order_by(RunAttempt.attempt)).all()

@@ -49,11 +49,12 @@ from service.runs.lifecycle import Outcome, RunLifecycle
 from service.runs.preemption import preemption_reason
 from service.runs.trainer import build_trainer, placing_phase, train_run_name
 from service.settings import Settings
+from service.store import controller
 from service.store.db import session_scope, shared_sessionmaker
 from service.sweeps.execution import DRIVER_ACTOR, finish_sweep
 from service.sweeps.expansion import TRIAL_DRIVER_CPU
 from service.sweeps.measurement import Measurement
-from service.sweeps.state import SweepStatus, TrialStatus, get_sweep, list_trials, transition_sweep
+from service.sweeps.state import SweepStatus, TrialStatus, get_sweep, list_trials
 from service.sweeps.stopping import METRIC, TIME_ATTR, GracefulStop, SlowTrialStopper, early_stop_grace
 from service.sweeps.trials import (
     TrialRun,
@@ -281,7 +282,7 @@ def run_sweep(settings: Settings, sweep_id: str) -> str:
         pending = list_trials(s, sweep_id=sweep_id, status=TrialStatus.PENDING)
         pending.sort(key=lambda t: (-(t.predicted_tokens_per_s or 0.0), t.id))
         ids = [t.id for t in pending]
-        transition_sweep(
+        controller.transition_sweep(  # QUEUED or RUNNING (checked above): allowed
             s,
             sweep=sweep,
             to=SweepStatus.RUNNING,

@@ -24,6 +24,7 @@ from service import store
 from service.cluster.env import job_runtime_env, python_command
 from service.cluster.jobs import submission_id, submission_number, trim
 from service.security.policy import resolve_code_dir
+from service.store import controller
 from service.store.db import session_scope
 from service.store.models import Run, Sweep, Trial
 from service.sweeps.expansion import short_layout
@@ -37,8 +38,6 @@ from service.sweeps.state import (
     list_trials,
     set_sweep_reason,
     sweeps_in,
-    transition_sweep,
-    transition_trial,
     trial_of_run,
 )
 
@@ -50,11 +49,12 @@ DRIVER_ACTOR = "sweep-driver"
 
 
 def end_trial_run(session: Session, run_id: str, to: RunStatus, reason: str, actor: str, **fields: Any) -> None:
-    """End a trial's run (and its current attempt) unless it has ended already; ``fields`` as in ``transition``."""
+    """End a trial's run (and its current attempt) unless it has ended already (or the controller refuses: it
+    ended meanwhile) or is gone; ``fields`` as in ``controller.request_run``."""
     try:
         if not RunStatus(store.get_run(session, run_id=run_id).status).terminal:
-            store.end_run(session, run_id=run_id, to=to, reason=reason, actor=actor, **fields)
-    except (store.Conflict, store.NotFound):
+            controller.end_run(session, run_id=run_id, to=to, reason=reason, actor=actor, **fields)
+    except store.NotFound:
         pass
 
 
@@ -179,13 +179,13 @@ def cancel_sweep(session: Session, *, sweep_id: str, scope: str | None, actor: s
     if sweep.status in SweepStatus.TERMINAL:
         raise store.Conflict(f"sweep '{sweep_id}' is already {sweep.status}; nothing to cancel", param="status")
     reason = f"cancelled by {actor}"
-    transition_sweep(session, sweep=sweep, to=SweepStatus.CANCELLED, reason=reason, actor=actor)
+    controller.request_sweep(session, sweep=sweep, to=SweepStatus.CANCELLED, reason=reason, actor=actor).or_raise()
     for t in list_trials(session, sweep_id=sweep_id):
         if t.status in TrialStatus.TERMINAL:
             continue
         if t.run_id:
             end_trial_run(session, t.run_id, RunStatus.CANCELLED, f"sweep {sweep_id} {reason}", actor)
-        transition_trial(session, trial=t, to=TrialStatus.CANCELLED, reason=f"sweep {reason}", actor=actor)
+        controller.request_trial(session, trial=t, to=TrialStatus.CANCELLED, reason=f"sweep {reason}", actor=actor)
     job_id = sweep.ray_job_id
     session.commit()
     jobs = runtime.jobs if runtime is not None else None
@@ -208,7 +208,8 @@ def cancel_trial_run(session: Session, *, run: Run, actor: str) -> Run:
     end_trial_run(session, run.id, RunStatus.CANCELLED, f"cancelled by {actor}", actor)
     t = trial_of_run(session, run_id=run.id)
     if t is not None and t.status not in TrialStatus.TERMINAL:
-        transition_trial(session, trial=t, to=TrialStatus.CANCELLED, reason=f"run cancelled by {actor}", actor=actor)
+        reason = f"run cancelled by {actor}"
+        controller.request_trial(session, trial=t, to=TrialStatus.CANCELLED, reason=reason, actor=actor)
     session.flush()
     return store.get_run(session, run_id=run.id)
 
@@ -242,7 +243,7 @@ def finish_sweep(
                 to = RunStatus.CANCELLED if was_cancelled else RunStatus.FAILED
                 end_trial_run(s, t.run_id, to, f"sweep {sweep_id}: {why}", actor)
                 measure_trial(s, t, warmup_steps=create.budget.warmup_steps)
-            transition_trial(
+            controller.request_trial(
                 s,
                 trial=t,
                 to=TrialStatus.CANCELLED if was_cancelled else TrialStatus.FAILED,
@@ -252,9 +253,8 @@ def finish_sweep(
         if sweep.status in SweepStatus.TERMINAL:
             return sweep
         if was_cancelled:
-            return transition_sweep(
-                s, sweep=sweep, to=SweepStatus.CANCELLED, reason=cancelled or "sweep cancelled", actor=actor
-            )
+            reason = cancelled or "sweep cancelled"
+            return controller.transition_sweep(s, sweep=sweep, to=SweepStatus.CANCELLED, reason=reason, actor=actor)
         return _conclude(s, sweep, trials, failure=failure, actor=actor)
 
 
@@ -273,11 +273,13 @@ def _conclude(s: Session, sweep: Sweep, trials: list[Trial], *, failure: str | N
     tally = ", ".join(f"{v} {k.lower()}" for k, v in sorted(counts.items()))
     if best is None:
         reason = trim(f"no trial was measured ({tally})" + (f": {failure}" if failure else ""), 2000)
-        return transition_sweep(s, sweep=sweep, to=SweepStatus.FAILED, reason=reason, actor=actor)
+        return controller.transition_sweep(s, sweep=sweep, to=SweepStatus.FAILED, reason=reason, actor=actor)
     reason = trim(
         f"best: trial {best.id} ({short_layout(best.layout)} mb={best.micro_batch_size}) "
         f"{sweep.objective}={objective_of(best, sweep.objective) or 0.0:.4g}; trials: {tally}"
         + (f"; driver: {failure}" if failure else ""),
         2000,
     )
-    return transition_sweep(s, sweep=sweep, to=SweepStatus.SUCCEEDED, reason=reason, actor=actor, best_trial_id=best.id)
+    return controller.transition_sweep(
+        s, sweep=sweep, to=SweepStatus.SUCCEEDED, reason=reason, actor=actor, best_trial_id=best.id
+    )

@@ -1,9 +1,10 @@
-"""The sweep and trial state machines, their stored transitions, and the sweep/trial store.
+"""The sweep/trial store: sweeps, trials and their events, and their public forms.
 
-Like runs (``service.store.runs``), every status change of a sweep or a trial goes through ``transition_sweep`` /
-``transition_trial``, which refuse illegal moves with ``Conflict`` and record a ``sweep_events`` row (``trial_id``
-set for a trial) with the reason and the actor. Events without a state change (a submission, a stop request) are
-``add_sweep_event`` rows of another ``kind``.
+The sweep and trial state machines (``SWEEP_ALLOWED`` / ``TRIAL_ALLOWED``) and every status change of a sweep or a
+trial belong to the run controller (``service.store.controller``: ``request_sweep`` / ``request_trial``, typed
+results; ``transition_sweep`` / ``transition_trial``, their strict forms that raise ``Conflict``, re-exported here),
+which records a ``sweep_events`` row (``trial_id`` set for a trial) with the reason and the actor. Events without a
+state change (a submission, a stop request) are ``add_sweep_event`` rows of another ``kind``.
 
 Sweep: QUEUED -> RUNNING -> SUCCEEDED | FAILED | CANCELLED; a QUEUED sweep may also fail (its driver was lost) or be
 cancelled. Trial: created PENDING or SKIPPED (with the reason); PENDING -> RUNNING -> SUCCEEDED | FAILED |
@@ -23,88 +24,17 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.spec import Layout, SweepCreate, SweepEventPublic, SweepPublic, TrialPublic
-from service.errors import Conflict, NotFound
+from service.errors import NotFound
 from service.store import new_id
+from service.store.controller import SWEEP_TRANSITIONS as SWEEP_ALLOWED  # noqa: F401 - re-exported
+from service.store.controller import TRIAL_INITIAL
+from service.store.controller import TRIAL_TRANSITIONS as TRIAL_ALLOWED  # noqa: F401 - re-exported
+from service.store.controller import SweepStatus as SweepStatus
+from service.store.controller import TrialStatus as TrialStatus
+from service.store.controller import transition_sweep as transition_sweep
+from service.store.controller import transition_trial as transition_trial
 from service.store.models import Sweep, SweepEvent, Trial, utcnow
 from service.store.runs import capped_count, newest_first
-
-
-class SweepStatus:
-    QUEUED = "QUEUED"
-    RUNNING = "RUNNING"
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-    CANCELLED = "CANCELLED"
-    ALL = ("QUEUED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED")
-    TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
-
-
-class TrialStatus:
-    PENDING = "PENDING"
-    RUNNING = "RUNNING"
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-    EARLY_STOPPED = "EARLY_STOPPED"
-    SKIPPED = "SKIPPED"
-    CANCELLED = "CANCELLED"
-    TERMINAL = frozenset({"SUCCEEDED", "FAILED", "EARLY_STOPPED", "SKIPPED", "CANCELLED"})
-    MEASURED = frozenset({"SUCCEEDED", "EARLY_STOPPED"})
-
-
-SWEEP_ALLOWED: dict[str, frozenset[str]] = {
-    SweepStatus.QUEUED: frozenset({SweepStatus.RUNNING, SweepStatus.FAILED, SweepStatus.CANCELLED}),
-    SweepStatus.RUNNING: frozenset({SweepStatus.SUCCEEDED, SweepStatus.FAILED, SweepStatus.CANCELLED}),
-    SweepStatus.SUCCEEDED: frozenset(),
-    SweepStatus.FAILED: frozenset(),
-    SweepStatus.CANCELLED: frozenset(),
-}
-TRIAL_ALLOWED: dict[str, frozenset[str]] = {
-    TrialStatus.PENDING: frozenset({TrialStatus.RUNNING, TrialStatus.CANCELLED, TrialStatus.FAILED}),
-    TrialStatus.RUNNING: frozenset(
-        {TrialStatus.SUCCEEDED, TrialStatus.FAILED, TrialStatus.EARLY_STOPPED, TrialStatus.CANCELLED}
-    ),
-    **{s: frozenset() for s in TrialStatus.TERMINAL},
-}
-TRIAL_INITIAL = frozenset({TrialStatus.PENDING, TrialStatus.SKIPPED})
-
-
-# ------------------------------------------------------------------------------------------- transitions
-def transition_sweep(
-    session: Session, *, sweep: Sweep, to: str, reason: str, actor: str | None = None, **fields: Any
-) -> Sweep:
-    """Move ``sweep`` to ``to`` (Conflict when the state machine forbids it), record the event, set its reason,
-    timestamps and any extra ``fields``. A move to the status it has is a no-op (the fields are still set)."""
-    cur = sweep.status
-    if to != cur and to not in SWEEP_ALLOWED[cur]:
-        raise Conflict(f"sweep '{sweep.id}' is {cur}; it cannot become {to}", param="status")
-    now = utcnow()
-    if to != cur:
-        sweep.status, sweep.status_reason = to, reason
-        session.add(SweepEvent(sweep_id=sweep.id, from_status=cur, to_status=to, reason=reason, actor=actor, time=now))
-        if to in SweepStatus.TERMINAL:
-            sweep.finished_at = now
-    for k, v in fields.items():
-        setattr(sweep, k, v)
-    sweep.updated_at = now
-    session.flush()
-    return sweep
-
-
-def transition_trial(session: Session, *, trial: Trial, to: str, reason: str | None, actor: str | None = None) -> Trial:
-    """Move ``trial`` to ``to`` (Conflict when the state machine forbids it) with ``reason`` on the trial (None
-    clears it) and record the event."""
-    cur = trial.status
-    if to != cur and to not in TRIAL_ALLOWED[cur]:
-        raise Conflict(f"trial {trial.id} of sweep '{trial.sweep_id}' is {cur}; it cannot become {to}", param="status")
-    if to != cur:
-        session.add(
-            SweepEvent(
-                sweep_id=trial.sweep_id, trial_id=trial.id, from_status=cur, to_status=to, reason=reason, actor=actor
-            )
-        )
-    trial.status, trial.reason = to, reason
-    session.flush()
-    return trial
 
 
 def add_trial(

@@ -29,11 +29,12 @@ from service import store
 from service.cluster.jobs import channel_name
 from service.planner import Factors, predict_run
 from service.runs.lifecycle import Outcome, Recorder, run_summary
+from service.store import controller
 from service.store.db import session_scope
 from service.sweeps.execution import DRIVER_ACTOR, end_trial_run
 from service.sweeps.expansion import trial_spec
 from service.sweeps.measurement import Measurement, measure_run, measure_trial
-from service.sweeps.state import SweepStatus, TrialStatus, get_sweep, get_trial, transition_trial
+from service.sweeps.state import SweepStatus, TrialStatus, get_sweep, get_trial
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ def prepare_trial_run(
             "waiting for admission",
         )
         t.run_id = run.id
-        transition_trial(s, trial=t, to=TrialStatus.RUNNING, reason=None, actor=DRIVER_ACTOR)
+        controller.request_trial(s, trial=t, to=TrialStatus.RUNNING, reason=None, actor=DRIVER_ACTOR).or_raise()
         return TrialRun(
             trial_id=t.id,
             run_id=run.id,
@@ -178,7 +179,7 @@ def conclude_trial(
             run = store.get_run(s, run_id=tr.run_id)
             to = TrialStatus.CANCELLED if external == RunStatus.CANCELLED else TrialStatus.FAILED
             reason = f"run {run.status.lower()}: {run.status_reason}"
-        transition_trial(s, trial=t, to=to, reason=reason, actor=DRIVER_ACTOR)
+        controller.request_trial(s, trial=t, to=to, reason=reason, actor=DRIVER_ACTOR)  # it is RUNNING: allowed
         return m
 
 
@@ -229,7 +230,7 @@ def close_trial(
         if t.status == TrialStatus.PENDING:  # never started: it cannot have been measured or stopped early
             status = TrialStatus.FAILED
         warmup = SweepCreate.model_validate(get_sweep(s, sweep_id=sweep_id).spec).budget.warmup_steps
-        transition_trial(s, trial=t, to=status, reason=reason, actor=DRIVER_ACTOR)
+        controller.request_trial(s, trial=t, to=status, reason=reason, actor=DRIVER_ACTOR)  # not terminal: allowed
         if t.run_id:
             measure_trial(s, t, warmup_steps=warmup)
             summary = run_summary(s, run_id=t.run_id, warmup_steps=warmup)

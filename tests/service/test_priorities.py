@@ -8,7 +8,7 @@ from api.spec import RunSpec
 from api.spec.validation import build_plan
 from service.cluster.placement import NodeCapacity
 from service.control.admission import Candidate
-from service.control.priorities import Holding, choose_victims, quota_waits
+from service.control.priorities import Holding, choose_victims, plan_admission, quota_waits
 
 
 def _plan(dp: int, cpus: float = 1) -> dict:
@@ -60,3 +60,25 @@ def test_no_preemption_when_off_not_lower_priority_or_another_project() -> None:
     assert choose_victims(same, "other", NODES, {}, holding, "any") is None  # equal priority never preempts
     huge = Candidate("huge", _plan(8), priority=10)
     assert choose_victims(huge, "p", NODES, {}, holding, "any") is None  # nothing makes room for 8 workers
+
+
+def test_an_admission_pass_is_decided_without_writing() -> None:
+    """``plan_admission`` returns every reason, decision and victim of a pass as data (no session, no Ray)."""
+    t = [datetime(2026, 1, d, tzinfo=UTC) for d in (1, 2, 3, 4)]
+    queue = [Candidate("held", _plan(1), priority=10, queued_at=t[0]),
+             Candidate("over", _plan(2), priority=10, queued_at=t[1]),
+             Candidate("hi", _plan(2), priority=10, queued_at=t[2]),
+             Candidate("lo", _plan(1), priority=0, queued_at=t[3])]
+    projects = {"held": "p", "over": "q", "hi": "p", "lo": "p"}
+    holding = [_holding("victim", "p", 0, 2, 0), _holding("q-run", "q", 0, 2, 1)]
+    nodes = [NodeCapacity("n1", total={"CPU": 4.0}, free={"CPU": 0.0})]
+    plan = plan_admission(queue, projects, holding, {"held": "meshrun-held-1"}, nodes, {},
+                          quotas={"q": 2}, preemption="any")
+    assert plan.reasons["held"] == "re-planned: waiting for its previous Ray Job meshrun-held-1 to stop"
+    assert "project 'q' quota" in plan.reasons["over"]
+    assert [(d.candidate.id, d.action) for d in plan.decisions] == [("hi", "wait"), ("lo", "wait")]
+    assert plan.preempt_for is not None and plan.preempt_for.id == "hi"
+    assert [v.id for v in plan.victims] == ["q-run"]  # the most recently started run of the lowest priority
+    assert plan.decisions[0].reason.endswith("; preempting lower-priority q-run (they checkpoint first)")
+    off = plan_admission(queue, projects, holding, {}, nodes, {}, quotas={}, preemption="off")
+    assert off.victims == [] and off.preempt_for is None and "preempting" not in off.decisions[0].reason
