@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing as mp
 import os
 import secrets
 import statistics
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -61,7 +61,7 @@ class KindStats:
     ok: int = 0
     busy: int = 0
     busy_without_retry_after: int = 0
-    other: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    other: dict[int, int] = field(default_factory=dict)
     dropped: int = 0
 
 
@@ -113,7 +113,7 @@ async def _client(base: str, kind: str, deadline: float, stats: KindStats, timeo
                     stats.busy_without_retry_after += 1
                 await asyncio.sleep(float(retry_after or 1))  # what the SDK does
             else:
-                stats.other[r.status_code] += 1
+                stats.other[r.status_code] = stats.other.get(r.status_code, 0) + 1
 
 
 def _pct(xs: list[float], q: int) -> float:
@@ -122,13 +122,37 @@ def _pct(xs: list[float], q: int) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[q - 1]
 
 
-async def _load(base: str, clients: int, duration_s: float, bound_s: float) -> dict[str, KindStats]:
+async def _load(base: str, kinds: list[str], duration_s: float, bound_s: float) -> dict[str, KindStats]:
     stats = {k: KindStats() for k in KINDS}
     deadline = time.monotonic() + duration_s
     timeout_s = bound_s + 120  # the client never gives up before the server's bound (that would count as dropped)
-    kinds = [KINDS[i % len(KINDS)] for i in range(clients)]
     await asyncio.gather(*(_client(base, k, deadline, stats[k], timeout_s) for k in kinds))
     return stats
+
+
+def _load_in_process(args: tuple[str, list[str], float, float]) -> dict[str, KindStats]:
+    return asyncio.run(_load(*args))
+
+
+def _load_spread(base: str, clients: int, duration_s: float, bound_s: float) -> dict[str, KindStats]:
+    """The clients over several processes (at most 50 each), so that the clients' own event loop adds little to
+    the latencies they measure."""
+    kinds = [KINDS[i % len(KINDS)] for i in range(clients)]
+    procs = max(1, min(8, -(-clients // 50)))
+    shares = [kinds[i::procs] for i in range(procs)]
+    with mp.get_context("spawn").Pool(procs) as pool:
+        parts = pool.map(_load_in_process, [(base, share, duration_s, bound_s) for share in shares])
+    total = {k: KindStats() for k in KINDS}
+    for part in parts:
+        for k, s in part.items():
+            t = total[k]
+            t.latencies_s += s.latencies_s
+            t.busy_latencies_s += s.busy_latencies_s
+            t.ok, t.busy, t.dropped = t.ok + s.ok, t.busy + s.busy, t.dropped + s.dropped
+            t.busy_without_retry_after += s.busy_without_retry_after
+            for code, n in s.other.items():
+                t.other[code] = t.other.get(code, 0) + n
+    return total
 
 
 def _report(db: str, stats: dict[str, KindStats], bound_s: float, wall_s: float) -> bool:
@@ -155,8 +179,8 @@ def _report(db: str, stats: dict[str, KindStats], bound_s: float, wall_s: float)
     print(
         f"all: {total} answered, 503 share {busy / total if total else 0:.1%}, dropped connections {dropped}, "
         f"503 without Retry-After {no_ra}; the longest wait answered 503: {worst_busy:.2f} s "
-        f"(bound {bound_s:g} s: {'within' if worst_busy <= bound_s + 2 else 'EXCEEDED'}, 2 s allowed for the "
-        "answer itself on a loaded machine)"
+        f"(bound {bound_s:g} s: {'within' if worst_busy <= bound_s else f'over by {worst_busy - bound_s:.2f} s'}; "
+        "the clock runs from the client's send, so a busy event loop's lag on either side counts)"
     )
     return dropped == 0 and no_ra == 0
 
@@ -188,7 +212,7 @@ def main() -> int:
                 with api_service(data_dir=tmp, database_url=url, quiet=True, extra_env=env) as (base, _proc):
                     _seed(base)
                     t0 = time.monotonic()
-                    stats = asyncio.run(_load(base, args.clients, args.duration_s, args.queue_timeout_s))
+                    stats = _load_spread(base, args.clients, args.duration_s, args.queue_timeout_s)
                     good &= _report(db, stats, args.queue_timeout_s, time.monotonic() - t0)
     return 0 if good else 1
 
