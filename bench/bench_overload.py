@@ -16,6 +16,7 @@ the test suite's database is not touched.
 
     python bench/bench_overload.py                               # 200 clients, 60 s, SQLite then PostgreSQL
     python bench/bench_overload.py --clients 50 --duration-s 15 --db sqlite
+    python bench/bench_overload.py --setting MESHRUN_MAX_CONCURRENT_REQUESTS=4
 
 Figures only (exit 1 only when a connection was dropped or a 503 lacked Retry-After); they depend on the machine
 and its load.
@@ -197,8 +198,12 @@ def main() -> int:
     ap.add_argument("--duration-s", type=float, default=60.0)
     ap.add_argument("--db", choices=("both", "sqlite", "postgres"), default="both")
     ap.add_argument("--queue-timeout-s", type=float, default=30.0, help="the service's request_queue_timeout_s")
+    ap.add_argument(
+        "--setting", action="append", default=[], metavar="NAME=VALUE", help="another MESHRUN_* setting, repeatable"
+    )
     args = ap.parse_args()
     env = {"MESHRUN_REQUEST_QUEUE_TIMEOUT_S": str(args.queue_timeout_s)}
+    env.update(kv.split("=", 1) for kv in args.setting)
     print(
         f"bench_overload: {args.clients} clients for {args.duration_s:g} s, loopback; cpus={os.cpu_count()}, "
         f"load average {os.getloadavg()[0]:.1f} (other processes on the machine count)"

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import anyio
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.spec import ClusterSpec, PlanRequest, PlanResponse
@@ -134,10 +134,12 @@ def _plan(req: PlanRequest, runtime: Runtime | None, factory: sessionmaker[Sessi
     return planner.search(req, factors=factors, calibration=calibration)
 
 
+def _plan_json(req: PlanRequest, runtime: Runtime | None, factory: sessionmaker[Session] | None) -> bytes:
+    return _plan(req, runtime, factory).model_dump_json(by_alias=True).encode()  # as FastAPI would
+
+
 @router.post("/v1/plans", response_model=PlanResponse, summary="Plan a layout", responses=error_responses(422, 503))
-async def create_plan(
-    req: PlanRequest, request: Request, runtime: RuntimeDep, factory: SessionFactoryDep
-) -> PlanResponse:
+async def create_plan(req: PlanRequest, request: Request, runtime: RuntimeDep, factory: SessionFactoryDep) -> Response:
     """With ``layout``: that layout scored (one candidate; 422 if the model cannot run it). Without: the
     ``top_k`` fastest feasible layouts, with rejected ones and why. 503 with ``Retry-After`` when the planner stayed
     busy with other searches until the request's queue deadline."""
@@ -156,9 +158,10 @@ async def create_plan(
             code="planner_busy",
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
-    try:
-        return await asyncio.get_running_loop().run_in_executor(
-            limiter.pool, functools.partial(_plan, req, runtime, factory)
+    try:  # serialized in the pool too: a long answer encoded on the event loop would stall every other request
+        body = await asyncio.get_running_loop().run_in_executor(
+            limiter.pool, functools.partial(_plan_json, req, runtime, factory)
         )
+        return Response(body, media_type="application/json")
     finally:
         limiter.release()
