@@ -56,7 +56,7 @@ import shutil
 import sys
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +72,17 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from workers.checkpoint_manifest import META_FILE, manifest_name, verify_checkpoint, write_json_atomic, write_manifest
+from workers.checkpoint_manifest import (
+    META_FILE,
+    PARTIAL_SUFFIX,
+    manifest_name,
+    rank_files,
+    remove_partial_saves,
+    removed_on_failure,
+    verify_checkpoint,
+    write_json_atomic,
+    write_manifest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +102,6 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
-PARTIAL_SUFFIX = ".partial"
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -363,14 +372,12 @@ def save_checkpoint(
     }
     path = Path(path)
     staging = path.with_name(path.name + PARTIAL_SUFFIX)  # published (renamed to ``path``) only when complete
-    staging.mkdir(parents=True, exist_ok=True)
-    writer = dcp.FileSystemWriter(str(staging), overwrite=True)
-    with _quiet_no_dist():
-        dcp.save(state, storage_writer=writer, no_dist=not _dist_on())
-    mine = [
-        f.name for f in staging.iterdir() if f.name.startswith(f"__{rank}_") or (rank == 0 and f.name == ".metadata")
-    ]
-    write_manifest(staging, rank, mine)
+    with removed_on_failure(staging):  # ENOSPC or a crash mid-save: the unpublished directory goes
+        staging.mkdir(parents=True, exist_ok=True)
+        writer = dcp.FileSystemWriter(str(staging), overwrite=True)
+        with _quiet_no_dist():
+            dcp.save(state, storage_writer=writer, no_dist=not _dist_on())
+        write_manifest(staging, rank, rank_files(staging, rank))
     _barrier()
     # one directory for all ranks (rank 0 publishes it) or one per rank: decided while nobody can have published yet
     shared = rank != 0 and (staging / manifest_name(0)).exists()
@@ -580,19 +587,14 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
 
 def prune_checkpoints(root: str | os.PathLike, keep: int) -> list[Path]:
     """Delete all but the ``keep`` newest complete checkpoints under ``root``; returns what was deleted.
-    Incomplete directories (no ``meshrun.json``: a save in progress or crashed) are left alone. Call it on
-    one rank (rank 0) after the save's barrier."""
+    Unpublished ``*.partial`` directories (a save that crashed or hit a full disk) go too. Call it on one rank
+    (rank 0) after the save's barrier (no save is in progress then)."""
     if keep < 1:
         raise ValueError(f"checkpoint.keep must be >= 1, got {keep}")
+    remove_partial_saves(root)
     cps = list_checkpoints(root)
     doomed = [p for _, p in cps[:-keep]]
     for p in doomed:
         shutil.rmtree(p, ignore_errors=True)
         logger.info("pruned checkpoint %s", p)
     return doomed
-
-
-def _iter_files(path: str | os.PathLike) -> Iterable[str]:  # pragma: no cover - debugging aid
-    for dirpath, _, files in os.walk(os.fspath(path)):
-        for f in files:
-            yield os.path.join(dirpath, f)

@@ -9,15 +9,21 @@ rank, and ``meshrun.json`` (rank 0, last; ``world_size`` says how many manifests
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 META_FILE = "meshrun.json"
+PARTIAL_SUFFIX = ".partial"  # a save in progress writes here; renamed to the final name when complete
 MANIFEST_PREFIX = "manifest.rank"
 _CHUNK = 1 << 20
+logger = logging.getLogger(__name__)
 
 
 def _sha256(path: Path) -> str:
@@ -82,3 +88,31 @@ def verify_checkpoint(path: str | os.PathLike, *, checksums: bool = True) -> str
             if checksums and _sha256(fp) != want.get("sha256"):
                 return f"{d}/{name} does not match its checksum (corrupted)"
     return None
+
+
+def remove_partial_saves(root: str | os.PathLike) -> list[Path]:
+    """Delete the unpublished ``*.partial`` directories directly under ``root`` (a save interrupted by a crash or
+    ENOSPC); returns them. Only when no save into ``root`` is in progress."""
+    rootp = Path(root)
+    gone = [d for d in (rootp.iterdir() if rootp.is_dir() else []) if d.is_dir() and d.name.endswith(PARTIAL_SUFFIX)]
+    for d in gone:
+        shutil.rmtree(d, ignore_errors=True)
+        logger.warning("removed the partial checkpoint %s (a save that did not finish)", d)
+    return gone
+
+
+def rank_files(directory: Path, rank: int) -> list[str]:
+    """The DCP files of ``directory`` that ``rank`` wrote (rank 0 also ``.metadata``)."""
+    mine = [f.name for f in directory.iterdir() if f.name.startswith(f"__{rank}_")]
+    return [*mine, ".metadata"] if rank == 0 and (directory / ".metadata").exists() else mine
+
+
+@contextlib.contextmanager
+def removed_on_failure(staging: Path) -> Iterator[None]:
+    """Delete ``staging`` (an unpublished save) when the block fails (a full disk, a crash of the writer), so it
+    neither holds the space nor looks like a checkpoint; the previous checkpoint stays the one to resume from."""
+    try:
+        yield
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

@@ -10,7 +10,13 @@ lane of ``settings.max_concurrent_writes``, and a write about to start waits, up
 while reads are in progress. So clients that send expensive requests back to back (hostile or just busy) get fewer
 of them answered per second, but cannot make the console's and the SDK's reads wait behind them: on a 2-core
 machine four looping heavy requests leave the p99 of ``GET /v1/runs`` within 1.5x of idle
-(``bench/bench_heavy_requests.py``), instead of 7x without the lane."""
+(``bench/bench_heavy_requests.py``), instead of 7x without the lane.
+
+The queue bound is one deadline per request: waiting for the write lane, behind reads, for a slot and (plans) for
+the planner together last at most ``request_queue_timeout_s``; then 503 with ``Retry-After``. The deadline is left
+in ``scope["state"]["queue_deadline"]`` (``anyio.current_time()`` clock) for the routes that wait further
+(``service.app.routes.plans``). A request that started is served to the end (a plan search runs in a thread pool
+of bounded size). ``bench/bench_overload.py`` measures it with 200 clients."""
 
 from __future__ import annotations
 
@@ -27,6 +33,14 @@ READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # writes that cost no CPU but may wait long (a cancel waits up to 20 s for the Ray Job to end): not in the lane,
 # where they would hold back every submission behind them
 LANE_EXEMPT_SUFFIXES = ("/cancel",)
+DEADLINE_KEY = "queue_deadline"
+
+
+def queue_deadline(scope: Scope) -> float | None:
+    """The request's queue deadline (``anyio.current_time()`` clock) set by the gate, or None (not gated)."""
+    state = scope.get("state") or {}
+    value = state.get(DEADLINE_KEY)
+    return float(value) if value is not None else None
 
 
 class OverloadGate:
@@ -57,6 +71,7 @@ class OverloadGate:
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(self.slots)
             self._writes = anyio.CapacityLimiter(self.write_slots)
+        scope.setdefault("state", {})[DEADLINE_KEY] = anyio.current_time() + self.queue_timeout_s
         if scope.get("method", "GET") in READ_METHODS:
             await self._read(scope, receive, send)
         elif str(scope.get("path", "")).rstrip("/").endswith(LANE_EXEMPT_SUFFIXES):
@@ -84,7 +99,9 @@ class OverloadGate:
         try:
             if self._reads and self._no_reads is not None and self.read_priority_s > 0:
                 # reads in progress go first; bounded, so a stream of reads cannot starve writes
-                with anyio.move_on_after(self.read_priority_s):
+                left = queue_deadline(scope)
+                wait = self.read_priority_s if left is None else min(self.read_priority_s, left - anyio.current_time())
+                with anyio.move_on_after(max(0.0, wait)):
                     await self._no_reads.wait()
             await self._gated(self._limiter, scope, receive, send)
         finally:
@@ -103,8 +120,11 @@ class OverloadGate:
     async def _acquire(
         self, limiter: anyio.CapacityLimiter, token: object, scope: Scope, receive: Receive, send: Send
     ) -> bool:
-        """Wait for a slot of ``limiter``; False (after answering 503) when none came within the queue timeout."""
-        with anyio.move_on_after(self.queue_timeout_s):
+        """Wait for a slot of ``limiter``; False (after answering 503) when none came by the request's deadline."""
+        deadline = queue_deadline(scope)
+        if deadline is None:
+            deadline = anyio.current_time() + self.queue_timeout_s
+        with anyio.CancelScope(deadline=deadline):
             await limiter.acquire_on_behalf_of(token)
             return True
         await error_response(

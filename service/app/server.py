@@ -283,4 +283,8 @@ def serve(settings: Settings | None = None) -> None:
         log_level=settings.log_level.lower(),
         proxy_headers=False,
         server_header=False,
+        # a keep-alive connection idle for uvicorn's default 5 s is closed by the server, racing a client that
+        # reuses it at that moment (a reset, "dropped" under load); idle connections stay longer than a request
+        # may queue (request_queue_timeout_s), so a waiting client never sees its connection closed
+        timeout_keep_alive=int(settings.request_queue_timeout_s) + 45,
     )

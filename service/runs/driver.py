@@ -34,8 +34,9 @@ from service import store
 from service.cluster.gcs_view import gcs_port_answers
 from service.cluster.jobs import channel_name, trim
 from service.cluster.placement import Placement
+from service.runs.disk_full import is_disk_full, retry_after_disk_full
 from service.runs.inspect import InspectionFailed, describe, inspect_in_driver
-from service.runs.lifecycle import Outcome, RunLifecycle
+from service.runs.lifecycle import Outcome, RunLifecycle, failure_text, one_sentence
 from service.runs.preemption import preemption_reason, watch_preempt_requests
 from service.runs.trainer import build_trainer, placing_phase, train_run_name
 from service.security.paths import project_checkpoint_root
@@ -161,6 +162,23 @@ def _elastic_verdict(life: RunLifecycle, error: BaseException) -> bool:
             time.sleep(1.0)
     except KeyboardInterrupt:  # the service stopped this job after taking the run over
         return True
+
+
+def _retried_after_disk_full(life: RunLifecycle, spec: RunSpec, settings: Settings, error: BaseException) -> bool:
+    """A full disk failed the run: requeued by its failure policy once space returns (``service.runs.disk_full``)."""
+    if not is_disk_full(error, life.recorder.worker_errors):
+        return False
+    storage = spec.checkpoint.storage
+    paths: list[str | Path] = [settings.data_dir, *([storage] if storage and "://" not in storage else [])]
+    return retry_after_disk_full(
+        life.factory,
+        run_id=life.run_id,
+        job_id=life.job_id,
+        attempt=life.recorder.current_attempt,
+        sentence=one_sentence(failure_text(error, life.recorder.worker_errors)),
+        max_failures=spec.resources.max_failures,
+        space_paths=paths,
+    )
 
 
 def _drop_channel(run_id: str) -> None:
@@ -289,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         if not lost and spec.elastic is not None and _elastic_verdict(life, error):
             logger.info("run %s: the service re-planned the run after a node loss; this driver ends", run_id)
             return 0
+        if not lost and _retried_after_disk_full(life, spec, settings, error):
+            return 0  # back in the queue once space returned; resumes from the latest checkpoint
         # after the channel's last drain: the workers' errors are recorded
         outcome = Outcome(None, f"Ray head lost: {lost}") if lost else life.failed(error)
     elif outcome.status == RunStatus.SUCCEEDED:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -163,17 +165,35 @@ def test_an_absurd_search_is_a_422_naming_the_field(client):
     assert r.status_code == 422 and r.json()["error"]["param"] == "cluster.nodes"
 
 
-def test_a_busy_planner_answers_503_with_retry_after(client, monkeypatch):
+def test_a_busy_planner_makes_a_plan_wait_then_answers_503_with_retry_after_at_its_queue_limit(tmp_path, monkeypatch):
+    from service.app.server import create_app
+    from service.settings import Settings
+
     limiter = plans.PlannerLimiter(1)
     monkeypatch.setattr(plans, "limiter", limiter)
-    assert limiter.try_acquire()  # another search holds the only slot
-    try:
-        r = client.post("/v1/plans", json=body())
-        assert r.status_code == 503
-        assert r.headers["Retry-After"] == "1" and r.json()["error"]["code"] == "planner_busy"
-    finally:
-        limiter.release()
-    assert client.post("/v1/plans", json=body()).status_code == 200  # the slot is free again
+    settings = Settings(
+        start_scheduler=False,
+        data_dir=tmp_path,
+        database_url=f"sqlite:///{tmp_path}/q.db",
+        rate_limit_per_minute=0,
+        request_queue_timeout_s=1.5,
+    )
+    with TestClient(create_app(settings)) as c:
+        assert limiter.try_acquire()  # another search holds the only slot
+        threading.Timer(0.5, limiter.release).start()  # ... and ends within the queue limit: this one waits for it
+        assert c.post("/v1/plans", json=body()).status_code == 200
+
+        assert limiter.try_acquire()  # now it holds the slot past the queue limit
+        try:
+            t0 = time.monotonic()
+            r = c.post("/v1/plans", json=body())
+            waited = time.monotonic() - t0
+            assert r.status_code == 503
+            assert r.headers["Retry-After"] == "1" and r.json()["error"]["code"] == "planner_busy"
+            assert 1.4 <= waited < 10  # it waited for its queue limit, not for ever
+        finally:
+            limiter.release()
+        assert c.post("/v1/plans", json=body()).status_code == 200  # the slot is free again
 
 
 def test_searches_run_off_the_event_loop(client, monkeypatch):

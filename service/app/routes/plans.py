@@ -1,10 +1,12 @@
 """POST /v1/plans: score one layout or rank layouts for a model on a cluster. Thin: the logic is in
 ``service.planner``.
 
-A search runs off the event loop (in the threadpool), at most ``limiter.slots`` at a time: a busy planner answers 503
-with ``Retry-After`` instead of queueing without bound. Oversized searches are refused by the planner itself before
-they cost CPU (422 naming the field to pin). The response's ``calibration`` says which factors came from measured
-runs of this cluster, and when (``service.store.calibrations.calibration_for``).
+A search runs off the event loop in a thread pool of its own, ``limiter.slots`` threads (so searches never take the
+threads that reads use), at most ``limiter.slots`` at a time: a request waits for the planner until its queue
+deadline (``service.app.overload``: ``request_queue_timeout_s`` from its arrival, time spent in the gate included)
+and is then answered 503 with ``Retry-After``, never queued without bound. Oversized searches are refused by the
+planner itself before they cost CPU (422 naming the field to pin). The response's ``calibration`` says which
+factors came from measured runs of this cluster, and when (``service.store.calibrations.calibration_for``).
 
 ``cluster.device == "live"`` plans for the service's Ray cluster, described by ``cluster_from_live`` (a callable
 returning the live ``ClusterSpec``; tests set it) or else by the runtime's ``planning_cluster()`` when the app
@@ -17,19 +19,23 @@ with the body ``{"error": {"code", "message", "param"}}``.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
-from fastapi import APIRouter
+import anyio
+from fastapi import APIRouter, Request, Response
 from sqlalchemy.orm import Session, sessionmaker
-from starlette.concurrency import run_in_threadpool
 
 from api.spec import ClusterSpec, PlanRequest, PlanResponse
 from api.spec.validation import SpecError, SpecIssue
 from service import planner
 from service.app.deps import RuntimeDep, SessionFactoryDep
 from service.app.errors import error_responses
+from service.app.overload import queue_deadline
 from service.control.runtime import Runtime
 from service.errors import Unavailable
 from service.store.calibrations import calibration_for
@@ -43,14 +49,26 @@ RETRY_AFTER_S = 1
 
 
 class PlannerLimiter:
-    """At most ``slots`` searches at once; ``try_acquire`` never waits."""
+    """At most ``slots`` searches at once, run in a pool of ``slots`` threads; ``try_acquire`` never waits,
+    ``acquire_by`` waits on the event loop (holding no thread) until a deadline."""
+
+    POLL_S = 0.02
 
     def __init__(self, slots: int):
         self.slots = max(1, slots)
         self._sem = threading.BoundedSemaphore(self.slots)
+        self.pool = ThreadPoolExecutor(self.slots, thread_name_prefix="planner")
 
     def try_acquire(self) -> bool:
         return self._sem.acquire(blocking=False)
+
+    async def acquire_by(self, deadline: float) -> bool:
+        """A slot before ``deadline`` (``anyio.current_time()`` clock)? False when none came."""
+        while not self.try_acquire():
+            if anyio.current_time() >= deadline:
+                return False
+            await anyio.sleep(self.POLL_S)
+        return True
 
     def release(self) -> None:
         self._sem.release()
@@ -116,23 +134,34 @@ def _plan(req: PlanRequest, runtime: Runtime | None, factory: sessionmaker[Sessi
     return planner.search(req, factors=factors, calibration=calibration)
 
 
+def _plan_json(req: PlanRequest, runtime: Runtime | None, factory: sessionmaker[Session] | None) -> bytes:
+    return _plan(req, runtime, factory).model_dump_json(by_alias=True).encode()  # as FastAPI would
+
+
 @router.post("/v1/plans", response_model=PlanResponse, summary="Plan a layout", responses=error_responses(422, 503))
-async def create_plan(req: PlanRequest, runtime: RuntimeDep, factory: SessionFactoryDep) -> PlanResponse:
+async def create_plan(req: PlanRequest, request: Request, runtime: RuntimeDep, factory: SessionFactoryDep) -> Response:
     """With ``layout``: that layout scored (one candidate; 422 if the model cannot run it). Without: the
-    ``top_k`` fastest feasible layouts, with rejected ones and why. 503 with ``Retry-After`` while the planner is
-    busy with other searches."""
+    ``top_k`` fastest feasible layouts, with rejected ones and why. 503 with ``Retry-After`` when the planner stayed
+    busy with other searches until the request's queue deadline."""
     bad = _unencodable(req.model_dump())
     if bad:
         raise SpecError(
             [SpecIssue(bad, f"{bad} is not valid Unicode (a lone surrogate); fix the text", "invalid_value")]
         )
-    if not limiter.try_acquire():
+    deadline = queue_deadline(request.scope)
+    if deadline is None:
+        deadline = anyio.current_time() + request.app.state.settings.request_queue_timeout_s
+    if not await limiter.acquire_by(deadline):
         raise Unavailable(
-            f"the planner is busy with {limiter.slots} searches; retry in {RETRY_AFTER_S} s",
+            f"the planner stayed busy with {limiter.slots} searches until this request's queue limit; retry in "
+            f"{RETRY_AFTER_S} s",
             code="planner_busy",
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
-    try:
-        return await run_in_threadpool(_plan, req, runtime, factory)
+    try:  # serialized in the pool too: a long answer encoded on the event loop would stall every other request
+        body = await asyncio.get_running_loop().run_in_executor(
+            limiter.pool, functools.partial(_plan_json, req, runtime, factory)
+        )
+        return Response(body, media_type="application/json")
     finally:
         limiter.release()

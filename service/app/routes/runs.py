@@ -262,8 +262,14 @@ def parse_body(body: bytes, content_type: str | None) -> tuple[Any, bool]:
 
 async def spec_body(request: Request) -> RunSpec:
     """The RunSpec of the body. JSON is validated strictly (programs send proper types: `true` is not 1);
-    hand-written YAML leniently (``"3e-4"`` is a number). ValidationError -> 422 naming the field."""
-    data, is_json = parse_body(await request.body(), request.headers.get("content-type"))
+    hand-written YAML leniently (``"3e-4"`` is a number). ValidationError -> 422 naming the field. Parsed in a
+    worker thread: a big spec's parse would otherwise stall the event loop, and every queued request's deadline
+    with it (``service.app.overload``)."""
+    return await run_in_threadpool(_parse_spec, await request.body(), request.headers.get("content-type"))
+
+
+def _parse_spec(body: bytes, content_type: str | None) -> RunSpec:
+    data, is_json = parse_body(body, content_type)
     if is_json:
         return parse_run_spec(data)  # the same strict parse `meshrun validate` uses
     return RunSpec.model_validate(data)
