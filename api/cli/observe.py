@@ -34,6 +34,7 @@ def _accounted(bd: Any) -> str:
     if not total or left is None:
         return "named terms: the step is not measured yet"
     named = sum(r.measured_s or 0.0 for r in bd.terms)
+    left = 0.0 if abs(left) < 1e-9 else left  # rounding: no "-0.0 ms"
     return f"named terms: {100 * named / total:.1f}% of the measured step (unaccounted {_s(left)})"
 
 
@@ -45,7 +46,7 @@ def print_breakdown(bd: Any, console: Console | None = None) -> None:
         c.print("breakdown: not measured yet (no measured step) and no prediction")
         return
     where = (
-        f"median of {bd.steps_measured} steady steps ({bd.first_step}-{bd.last_step}, "
+        f"mean of the typical half of {bd.steps_measured} steady steps ({bd.first_step}-{bd.last_step}, "
         f"{bd.warmup_steps_excluded} warm-up left out)"
         if bd.steps_measured
         else "not measured yet"

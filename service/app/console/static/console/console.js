@@ -298,7 +298,7 @@
     var named = "";
     if (data && typeof data.unaccounted_s === "number" && data.step_time_s && data.step_time_s.measured_s) {
       var total = data.step_time_s.measured_s;
-      named = '<p class="small muted named-terms">Named terms: ' + (100 * (total - data.unaccounted_s) / total).toFixed(1) + "% of the measured step (unaccounted " + fmt.seconds(data.unaccounted_s) + ").</p>";
+      named = '<p class="small muted named-terms">Named terms: ' + (100 * (total - data.unaccounted_s) / total).toFixed(1) + "% of the measured step (unaccounted " + fmt.seconds(Math.abs(data.unaccounted_s) < 1e-9 ? 0 : data.unaccounted_s) + ").</p>";
     }
     el.innerHTML = '<table class="table compact"><thead><tr><th>Term</th><th class="num">Predicted</th><th class="num">Measured</th><th class="num">Share</th><th class="w-bar"></th></tr></thead><tbody>' +
       rows.map(function (r) {
