@@ -28,6 +28,16 @@ def _bar(x: float | None, top: float, char: str) -> str:
     return char * max(1, round(BAR_WIDTH * x / top))
 
 
+def _accounted(bd: Any) -> str:
+    """One line: how much of the measured step the terms name (they tile it, so ~100%) and what is left."""
+    total, left = bd.step_time_s.measured_s, getattr(bd, "unaccounted_s", None)
+    if not total or left is None:
+        return "named terms: the step is not measured yet"
+    named = sum(r.measured_s or 0.0 for r in bd.terms)
+    left = 0.0 if abs(left) < 1e-9 else left  # rounding: no "-0.0 ms"
+    return f"named terms: {100 * named / total:.1f}% of the measured step (unaccounted {_s(left)})"
+
+
 def print_breakdown(bd: Any, console: Console | None = None) -> None:
     """A table: one row per term with predicted and measured seconds, the measured share and two bars
     (predicted ░, measured █) on one scale; then the per-rank step and compute times."""
@@ -36,7 +46,7 @@ def print_breakdown(bd: Any, console: Console | None = None) -> None:
         c.print("breakdown: not measured yet (no measured step) and no prediction")
         return
     where = (
-        f"median of {bd.steps_measured} steady steps ({bd.first_step}-{bd.last_step}, "
+        f"mean of the typical half of {bd.steps_measured} steady steps ({bd.first_step}-{bd.last_step}, "
         f"{bd.warmup_steps_excluded} warm-up left out)"
         if bd.steps_measured
         else "not measured yet"
@@ -55,6 +65,7 @@ def print_breakdown(bd: Any, console: Console | None = None) -> None:
             name += f" [dim](in flight {_s(r.measured_total_s)})[/]"
         t.add_row(name, _s(r.predicted_s), _s(r.measured_s), share, bars.strip("\n"))
     c.print(t)
+    c.print(_accounted(bd))
     if bd.ranks and bd.steps_measured:
         rt = Table(title="per rank", title_justify="left")
         for col in ("rank", "node", "step", "compute", "vs peers", "peak GiB"):

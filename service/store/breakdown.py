@@ -4,8 +4,13 @@ The workers store, on measured steps (``spec.metrics.breakdown_every_steps``), t
 row's ``extra`` (``breakdown_per_rank``: term -> [seconds of rank 0, rank 1, ...], terms of
 ``api.spec.metrics.BREAKDOWN_TERMS``). This module reads the latest ``MAX_ROWS`` rows of the run's series (so a
 100k-step run costs the same as a short one), leaves out the warm-up steps of every attempt (``warmup_steps``), and
-answers per term: the prediction, the median over the steady-state steps of the mean over ranks, and the median of
-every rank.
+answers per term: the prediction, the measured seconds over the steady-state steps (of the mean over ranks) and the
+same per rank.
+
+The measured seconds are an interquartile mean (``typical_steps``): the steps whose step time lies in the middle half
+are kept (robust to a slow outlier step, like a median) and every term is averaged over the SAME steps. So the terms
+add up to the step time (the workers' per-rank terms tile each step), overall and per rank; a median taken term by
+term does not (each term's median comes from a different step, and with skewed terms they added up to ~80-90%).
 """
 
 from __future__ import annotations
@@ -93,11 +98,34 @@ def _median(xs: Sequence[float]) -> float | None:
     return float(statistics.median(xs)) if xs else None
 
 
-def _term_medians(steps: list[dict[str, list[float]]], term: str, world: int) -> tuple[float | None, list[float]]:
-    """(median over steps of the mean over ranks, median per rank)."""
-    means = [sum(s[term]) / len(s[term]) for s in steps]
-    ranks = [_median([s[term][r] for s in steps if r < len(s[term])]) or 0.0 for r in range(world)]
-    return _median(means), ranks
+def typical_steps(totals: Sequence[float]) -> list[int]:
+    """Indices of the steps whose total lies in the middle half (the interquartile range; at least one step)."""
+    order = sorted(range(len(totals)), key=lambda i: totals[i])
+    cut = len(order) // 4
+    return order[cut : len(order) - cut] or order
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _term_means(steps: list[dict[str, list[float]]], world: int) -> tuple[dict[str, float], list[dict[str, float]]]:
+    """(term -> seconds over the typical steps of the mean over ranks, per rank: term -> seconds over that rank's
+    typical steps). Each is an average of whole steps, so its parts add up to its total."""
+    if not steps:
+        return {}, []
+    means = [{t: _mean(s[t]) for t in BREAKDOWN_TERMS} for s in steps]
+    keep = typical_steps([m["total"] for m in means])
+    overall = {t: _mean([means[i][t] for i in keep]) for t in BREAKDOWN_TERMS}
+    ranks = []
+    for r in range(world):
+        mine = [{t: s[t][r] for t in BREAKDOWN_TERMS} for s in steps if all(r < len(s[t]) for t in BREAKDOWN_TERMS)]
+        if not mine:
+            ranks.append(dict.fromkeys(BREAKDOWN_TERMS, 0.0))
+            continue
+        kept = typical_steps([m["total"] for m in mine])
+        ranks.append({t: _mean([mine[i][t] for i in kept]) for t in BREAKDOWN_TERMS})
+    return overall, ranks
 
 
 def run_breakdown(session: Session, run: Run) -> RunBreakdown:
@@ -106,7 +134,9 @@ def run_breakdown(session: Session, run: Run) -> RunBreakdown:
     steady, dropped = steady_steps(breakdown_rows(session, run_id=run.id))
     steps = [pr for _, pr in steady]
     world = max((len(pr["total"]) for pr in steps), default=plan.world_size if plan else 0)
-    total, total_ranks = _term_medians(steps, "total", world) if steps else (None, [])
+    overall, by_rank = _term_means(steps, world)
+    total = overall.get("total")
+    total_ranks = [rk["total"] for rk in by_rank]
 
     def share(x: float | None) -> float | None:
         return x / total if x is not None and total else None
@@ -114,8 +144,10 @@ def run_breakdown(session: Session, run: Run) -> RunBreakdown:
     terms = []
     for term in BREAKDOWN_ROWS:
         planned, in_flight = _MEASURED[term]
-        measured, ranks = _term_medians(steps, _EXPOSED.get(term, term), world) if steps else (None, [])
-        flight = _term_medians(steps, in_flight, world)[0] if steps and in_flight else None
+        key = _EXPOSED.get(term, term)
+        measured = overall.get(key)
+        ranks = [rk[key] for rk in by_rank]
+        flight = overall.get(in_flight) if in_flight else None
         predicted = getattr(pred, planned) if pred is not None and planned is not None else None
         terms.append(
             BreakdownTerm(
@@ -130,7 +162,7 @@ def run_breakdown(session: Session, run: Run) -> RunBreakdown:
     summary: dict[str, Any] = run.summary or {}
     peaks = summary.get("peak_memory_bytes_per_rank") or {}
     nodes = run.rank_nodes or {}
-    compute = _term_medians(steps, "compute", world)[1] if steps else []
+    compute = [rk["compute"] for rk in by_rank]
     ranks_out = []
     for r in range(world):
         peers = [c for i, c in enumerate(compute) if i != r]
@@ -161,6 +193,7 @@ def run_breakdown(session: Session, run: Run) -> RunBreakdown:
             per_rank_s=total_ranks,
         ),
         terms=terms,
+        unaccounted_s=total - sum(t.measured_s or 0.0 for t in terms) if total is not None else None,
         ranks=ranks_out,
         predicted_memory_bytes=plan.predicted.memory_bytes.total if plan and plan.predicted else None,
         stragglers=[e.reason or "" for e in stragglers],

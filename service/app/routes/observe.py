@@ -29,8 +29,9 @@ router = APIRouter(prefix="/v1/runs", tags=["runs"])
 )
 def get_breakdown(run_id: RunId, session: SessionDep, principal: PrincipalDep) -> RunBreakdown:
     """Per term (compute, tp/pp/dp communication, pipeline bubble, optimizer, data wait, other): the plan's
-    prediction, the measured median over steady-state steps (warm-up excluded; communication: the exposed part) and
-    the median of every rank; per rank its node, step and compute time, and compute relative to its peers."""
+    prediction, the measured mean over the typical steady-state steps (warm-up excluded, step time in the middle
+    half; communication: the exposed part) and the same per rank, so the terms add up to the step time
+    (``unaccounted_s``: the rest); per rank its node, step and compute time, and compute relative to its peers."""
     run = store.get_run(session, run_id=run_id, project=principal.scope)
     return run_breakdown(session, run)
 

@@ -285,7 +285,9 @@
     var terms = data && (data.terms || data.breakdown || data);
     var rows = [];
     if (Array.isArray(terms)) {
-      terms.forEach(function (t) { rows.push([t.term || t.name, t.predicted_s != null ? t.predicted_s : t.predicted, t.measured_s != null ? t.measured_s : t.measured]); });
+      terms.forEach(function (t) { rows.push([t.term || t.name, t.predicted_s != null ? t.predicted_s : t.predicted, t.measured_s != null ? t.measured_s : t.measured, t.share]); });
+      var st = data.step_time_s;  // the whole step, and how much of it the terms name (they tile it)
+      if (st && (st.measured_s != null || st.predicted_s != null)) rows.push(["step (total)", st.predicted_s, st.measured_s, st.share]);
     } else if (terms && typeof terms === "object") {
       var p = terms.predicted || {}, m = terms.measured || {};
       Object.keys(Object.assign({}, p, m)).forEach(function (k) { if (typeof (p[k] != null ? p[k] : m[k]) === "number") rows.push([k, p[k], m[k]]); });
@@ -293,11 +295,17 @@
     if (!rows.length) { el.dataset.state = "absent"; el.innerHTML = '<p class="muted not-measured">Not measured for this run.</p>'; return; }
     el.dataset.state = "shown";
     var max = Math.max.apply(null, rows.map(function (r) { return Math.max(r[1] || 0, r[2] || 0); })) || 1;
-    el.innerHTML = '<table class="table compact"><thead><tr><th>Term</th><th class="num">Predicted</th><th class="num">Measured</th><th class="w-bar"></th></tr></thead><tbody>' +
+    var named = "";
+    if (data && typeof data.unaccounted_s === "number" && data.step_time_s && data.step_time_s.measured_s) {
+      var total = data.step_time_s.measured_s;
+      named = '<p class="small muted named-terms">Named terms: ' + (100 * (total - data.unaccounted_s) / total).toFixed(1) + "% of the measured step (unaccounted " + fmt.seconds(Math.abs(data.unaccounted_s) < 1e-9 ? 0 : data.unaccounted_s) + ").</p>";
+    }
+    el.innerHTML = '<table class="table compact"><thead><tr><th>Term</th><th class="num">Predicted</th><th class="num">Measured</th><th class="num">Share</th><th class="w-bar"></th></tr></thead><tbody>' +
       rows.map(function (r) {
         return "<tr><td>" + esc(String(r[0]).replace(/_/g, " ")) + '</td><td class="num mono">' + fmt.seconds(r[1]) + '</td><td class="num mono">' + fmt.seconds(r[2]) +
+          '</td><td class="num mono">' + (typeof r[3] === "number" ? (100 * r[3]).toFixed(0) + "%" : "-") +
           '</td><td><div class="stack" style="height:6px"><span class="seg c1" style="width:' + (100 * (r[1] || 0) / max) + '%"></span></div><div class="stack" style="height:6px;margin-top:2px"><span class="seg c3" style="width:' + (100 * (r[2] || 0) / max) + '%"></span></div></td></tr>';
-      }).join("") + '</tbody></table><div class="legend small"><span><i class="seg c1"></i>predicted</span><span><i class="seg c3"></i>measured</span></div>';
+      }).join("") + '</tbody></table><div class="legend small"><span><i class="seg c1"></i>predicted</span><span><i class="seg c3"></i>measured</span></div>' + named;
   }
 
   /* A pipeline timeline: one lane per stage (or rank), one box per forward/backward slot, positioned by time. */
