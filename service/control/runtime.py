@@ -10,6 +10,7 @@ head is stopped; an existing cluster is left alone). The API routes call ``cance
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from service.store.db import session_scope
 from service.store.run_calibration import calibrate_from_runs
 
 logger = logging.getLogger(__name__)
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colour and cursor sequences in a Ray Job's log
 
 CANCEL_WAIT_S = 20.0
 CLUSTER_CACHE_S = 2.0
@@ -299,7 +301,9 @@ class Runtime:
         if not job_id or self._jobs is None:
             return ""
         try:
-            return self._jobs.logs(job_id)
+            # text for people and programs, never a terminal: Ray colours its "[repeated Nx across cluster]"
+            # notes whatever RAY_COLOR_PREFIX says, so colour and cursor sequences are taken out here
+            return _ANSI.sub("", self._jobs.logs(job_id))
         except Exception as e:
             return f"(logs of Ray Job {job_id} unavailable: {e})"
 
