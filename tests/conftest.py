@@ -317,3 +317,22 @@ def live_service(ray_cluster: RayTestCluster, tmp_path_factory: pytest.TempPathF
         yield svc
     finally:
         stop_live_service(svc)
+
+
+# ------------------------------------------------------------------------------------------- a full disk
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real 1 MiB tmpfs (a disk that fills up), unmounted after the test. Mounting needs root: CI and this
+    machine run as root, where a failed mount is a test failure; elsewhere the test is skipped with the reason."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
+    if done.returncode != 0:
+        why = f"cannot mount a tmpfs: {done.stderr.decode().strip()}"
+        if os.geteuid() == 0:
+            pytest.fail(why)
+        pytest.skip(f"{why} (needs root)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

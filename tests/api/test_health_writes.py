@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine
@@ -46,17 +44,6 @@ def test_read_only_database_is_db_unwritable(tmp_path):
         assert c.get("/healthz").status_code == 200
 
 
-@pytest.fixture
-def tiny_tmpfs(tmp_path):
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.decode().strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_full_checkpoint_storage_is_storage_full(tmp_path, tiny_tmpfs):

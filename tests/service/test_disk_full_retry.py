@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import os
 import sqlite3
-import subprocess
 import threading
 
 import pytest
@@ -36,17 +35,6 @@ SPEC = {
 }
 
 
-@pytest.fixture
-def tiny_tmpfs(tmp_path):
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.decode().strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def _fill(mnt):

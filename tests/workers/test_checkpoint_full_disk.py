@@ -6,7 +6,6 @@ by the next prune."""
 from __future__ import annotations
 
 import errno
-import subprocess
 
 import pytest
 import torch
@@ -21,19 +20,6 @@ from workers.checkpoint import (
     save_checkpoint,
     usable_checkpoint,
 )
-
-
-@pytest.fixture
-def tiny_tmpfs(tmp_path):
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.decode().strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def _model_and_opt(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
