@@ -133,6 +133,15 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     start_scheduler: bool = Field(True, description="Run admission/reconcile loops in the API process.")
     console_session_hours: float = Field(12.0, gt=0, le=24 * 30, description="Web console sign-in lifetime.")
+    ray_proxy_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="MESHRUN_RAY_PROXY_PORT: the port of the Ray dashboard proxy's own origin. The dashboard is a "
+        "third-party web app; on an origin of its own its scripts cannot act on the API or read the console with the "
+        "viewer's rights. /ray/ on the service's port redirects there. Unset = the service's port + 1; 0 = share "
+        "the console's origin (/ray/ on the service's port; not recommended).",
+    )
     ray_dashboard_proxy: Literal["admins", "project", "signed-in", "off"] = Field(
         "admins",
         description="Who may open the Ray dashboard through the service at /ray/ (read-only, with the cluster's "
@@ -199,8 +208,20 @@ class Settings(BaseSettings):
         # compose passes ${MESHRUN_METRICS_TOKEN:-} as "": no scrape token (never "the empty token")
         return v.strip() or None if v is not None else None
 
+    @property
+    def ray_proxy_listen_port(self) -> int | None:
+        """The port the Ray dashboard proxy listens on, or None when it shares the service's origin."""
+        if self.ray_proxy_port == 0:
+            return None
+        return self.ray_proxy_port or self.port + 1
+
     @model_validator(mode="after")
     def _defaults(self) -> Settings:
+        if self.ray_proxy_port == self.port or (self.ray_proxy_port is None and self.port == 65535):
+            raise ValueError(
+                f"MESHRUN_RAY_PROXY_PORT must differ from MESHRUN_PORT ({self.port}): the Ray dashboard gets an "
+                "origin of its own; set another port, or 0 to share the console's origin"
+            )
         if not self.database_url and self.database_url_file is not None:
             try:
                 self.database_url = self._check_url(self.database_url_file.read_text())

@@ -5,7 +5,8 @@
   process group (never a machine-wide ``ray stop``). ``ray_cluster.add_node(num_cpus=4)`` joins another node
   (its own ``ray start --block`` process group), ``remove_node`` stops it. Process groups are recorded in
   ``/tmp/meshrun-test-ray.pgids`` so a later session can clean up what a killed session left behind.
-- ``live_service``: uvicorn on a free loopback port in a background thread, serving
+- ``live_service``: uvicorn on a free loopback port (and the Ray dashboard's own port, ``.ray_url``) in a
+  background thread, serving
   ``create_app(Settings(ray_address=<that cluster>, data_dir=tmp, database_url=sqlite))`` with the scheduler
   on. Has ``.url``, ``.settings``, ``.app`` (``.app.state.runtime``), ``.session_factory``.
 - ``pg_url`` lives in tests/api (PostgreSQL-specific tests).
@@ -268,6 +269,11 @@ class LiveService:
         return self.url
 
     @property
+    def ray_url(self) -> str:
+        """The Ray dashboard proxy's own origin (``service.app.ray_origin``)."""
+        return f"http://127.0.0.1:{self.settings.ray_proxy_port}"
+
+    @property
     def runtime(self) -> Any:
         return self.app.state.runtime
 
@@ -280,7 +286,7 @@ def start_live_service(*, ray_cluster: RayTestCluster, data_dir: Path, database_
                        **overrides: Any) -> LiveService:
     import uvicorn
 
-    from service.app.server import create_app
+    from service.app.server import create_app, listen_sockets
     from service.cluster.head import free_port
     from service.settings import Settings
 
@@ -289,10 +295,11 @@ def start_live_service(*, ray_cluster: RayTestCluster, data_dir: Path, database_
                         data_dir=data_dir, database_url=database_url or f"sqlite:///{data_dir / 'meshrun.db'}",
                         host="127.0.0.1", port=port, scheduler_interval_s=0.5, rate_limit_per_minute=0,
                         **overrides)
+    sockets = listen_sockets(settings)  # the service's port and the Ray dashboard's own (before the app uses it)
     app = create_app(settings)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            lifespan="on"))
-    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, name=f"uvicorn-{port}", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
     while not server.started:

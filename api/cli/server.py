@@ -63,6 +63,7 @@ def serve(
     the printed URL (API docs at /docs)."""
     from service.app.server import console_url
     from service.app.server import serve as _serve
+    from service.errors import ServiceError
     from service.settings import Settings
 
     given: dict[str, Any] = dict(host=host, port=port, data_dir=data_dir, ray_address=ray_address)
@@ -72,7 +73,11 @@ def serve(
     settings = Settings(**overrides)
     url = console_url(settings)
     err().print(f"meshrun console: [bold]{url}/[/]  (API docs {url}/docs)", soft_wrap=True)
-    _serve(settings)
+    try:
+        _serve(settings)
+    except ServiceError as e:  # a port that is taken: one line naming the setting, no traceback
+        err().print(f"meshrun serve: {e}", soft_wrap=True, markup=False)
+        raise typer.Exit(1) from None
 
 
 def _free_port() -> int:

@@ -10,6 +10,7 @@ offline API docs at ``/docs`` and ``/redoc``.
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -34,9 +35,11 @@ from service.app.middleware import (
 from service.app.observability import configure_logging, instrument_app
 from service.app.overload import OverloadGate
 from service.app.ratelimit import RateLimiter
+from service.app.ray_origin import RayOriginMiddleware
 from service.app.routes import cluster, goodput, health, observe, plans, runs, sweeps, validate
 from service.control import service_record
 from service.control.runtime import Runtime
+from service.errors import ServiceError
 from service.meta import VERSION
 from service.security.hosts import HostPolicy
 from service.security.paths import storage_problem
@@ -187,6 +190,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # outermost (added last): every request is checked, and every response carries the headers
     policy = app.state.host_policy = HostPolicy(settings)
     app.add_middleware(SameOriginMiddleware, policy=policy)
+    app.add_middleware(RayOriginMiddleware, ray_port=settings.ray_proxy_listen_port, service_port=settings.port)
     app.add_middleware(HostAllowListMiddleware, policy=policy)
     app.add_middleware(SecurityHeadersMiddleware, csp=content_security_policy(template_script_hashes(TEMPLATES)))
     _use_error_body_in_openapi(app)
@@ -252,14 +256,14 @@ def _log_startup(settings: Settings, runtime: Runtime | None) -> None:
         log.warning("authentication is OFF while listening on %s", settings.host)
 
 
-def console_url(settings: Settings) -> str:
-    """Where a browser on this machine reaches the console."""
+def console_url(settings: Settings, port: int | None = None) -> str:
+    """Where a browser on this machine reaches the console (or, with ``port``, another listener of the service)."""
     host = settings.host
     if host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"
     elif ":" in host:
         host = f"[{host}]"
-    return f"http://{host}:{settings.port}"
+    return f"http://{host}:{port or settings.port}"
 
 
 def serve(settings: Settings | None = None) -> None:
@@ -273,9 +277,10 @@ def serve(settings: Settings | None = None) -> None:
     # read that waits for the GIL several times. 1 ms keeps reads quick under CPU-bound requests
     # (bench/bench_heavy_requests.py) for a little more switching overhead.
     sys.setswitchinterval(0.001)
+    sockets = listen_sockets(settings)  # first: the dashboard's port may be picked here, and the app uses it
     app = create_app(settings)
     app.state.record_service = True
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -288,3 +293,39 @@ def serve(settings: Settings | None = None) -> None:
         # may queue (request_queue_timeout_s), so a waiting client never sees its connection closed
         timeout_keep_alive=int(settings.request_queue_timeout_s) + 45,
     )
+    if settings.ray_proxy_listen_port is not None:
+        log.info("the Ray dashboard: %s/ray/", console_url(settings, settings.ray_proxy_listen_port))
+    uvicorn.Server(config).run(sockets=sockets)
+
+
+def listen_sockets(settings: Settings) -> list[socket.socket]:
+    """The service's socket and, unless it shares the console's origin, the Ray dashboard proxy's
+    (``service.app.ray_origin``); one app serves both, so call this before ``create_app``. When the proxy's port
+    was not set and the service's port + 1 is taken, the system picks a free one and ``settings.ray_proxy_port``
+    records it (links and the origin check use it). A taken port that was asked for is a ServiceError naming
+    the setting."""
+    out = [_bind(settings.host, settings.port, "MESHRUN_PORT")]
+    ray_port = settings.ray_proxy_listen_port
+    if ray_port is not None:
+        try:
+            out.append(_bind(settings.host, ray_port, "MESHRUN_RAY_PROXY_PORT"))
+        except ServiceError:
+            if settings.ray_proxy_port is not None:
+                out[0].close()
+                raise
+            out.append(_bind(settings.host, 0, "MESHRUN_RAY_PROXY_PORT"))
+        settings.ray_proxy_port = out[-1].getsockname()[1]
+    return out
+
+
+def _bind(host: str, port: int, name: str) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        hint = " (or 0 to serve the Ray dashboard on the service's own port)" if name != "MESHRUN_PORT" else ""
+        raise ServiceError(f"cannot listen on {host}:{port} ({name}): {e}; set another port{hint}") from e
+    sock.set_inheritable(True)
+    return sock

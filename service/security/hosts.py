@@ -9,7 +9,8 @@ that is not this service's own name closes that door before any route runs:
 - ``MESHRUN_HOST`` when it is a name, the host of ``MESHRUN_PUBLIC_URL``,
 - each ``MESHRUN_ALLOWED_HOSTS`` entry (``*`` accepts every host, for a proxy that checks Host itself).
 
-A browser's ``Origin`` is accepted only when its host is in that same list (``origin_allowed``); with auth off a
+A browser's ``Origin`` is accepted only when its host is in that same list and it is not the Ray dashboard's own
+origin (``origin_allowed``; ``service.app.ray_origin``); with auth off a
 request from any other browser origin, or a fetch the browser marks ``Sec-Fetch-Site: cross-site``, is never the
 local user (``browser_foreign``).
 """
@@ -35,6 +36,15 @@ def host_name(value: str) -> str:
     return v.rstrip(".")
 
 
+def _port(netloc: str) -> int | None:
+    """The explicit port of an origin's netloc (``host:8001``, ``[::1]:8001``), or None."""
+    tail = netloc.rsplit("]", 1)[-1] if netloc.startswith("[") else netloc
+    if tail.count(":") != 1:
+        return None
+    port = tail.rsplit(":", 1)[1]
+    return int(port) if port.isdigit() and len(port) <= 5 else None
+
+
 def _is_ip(name: str) -> bool:
     try:
         ipaddress.ip_address(name)
@@ -56,6 +66,8 @@ class HostPolicy:
                 names.add(public.lower())
         self.any = "*" in names
         self.names = frozenset(names - {"*"})
+        # the Ray dashboard's own origin (service.app.ray_origin): a page there is never one of the service's
+        self.ray_port = settings.ray_proxy_listen_port
 
     def host_allowed(self, host: str | None) -> bool:
         """Whether a request may address this Host (a request without one, HTTP/1.0, names no other site)."""
@@ -74,6 +86,8 @@ class HostPolicy:
         scheme, _, netloc = origin.lower().partition("://")
         netloc = netloc.rstrip("/")
         if scheme not in ("http", "https") or not netloc:
+            return False
+        if self.ray_port is not None and _port(netloc) == self.ray_port:
             return False
         if self.any or host_name(netloc) in self.names:
             return True

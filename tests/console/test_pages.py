@@ -57,18 +57,30 @@ def test_runs_table_run_page_and_loss_chart(live_service, finished, console):
     page.shot("run")
 
     # the Ray job opens through the service (the dashboard's token is added by the service)
+    # ... on an origin of its own (service.app.ray_origin)
+    ray_url = live_service.ray_url
     link = page.get_attribute("#ray-job-link", "href")
-    assert link == f"/ray/#/jobs/{a['ray_job_id']}"
+    assert link == f"{ray_url}/ray/#/jobs/{a['ray_job_id']}"
     api_run = httpx.get(f"{url}/v1/runs/{a['id']}", timeout=30).json()
-    assert api_run["dashboard_url"] == f"{url}/ray/#/jobs/{a['ray_job_id']}"
-    jobs = page.evaluate("fetch('/ray/api/jobs/').then(r => r.json())")
-    job = next(j for j in jobs if j.get("submission_id") == a["ray_job_id"])
-    assert job["metadata"]["job_name"] == "console-a"  # the name Ray's job list shows
-    page.goto(url + link)
+    assert api_run["dashboard_url"] == link
+    assert reqs.outside() == [], reqs.outside()
+    page.goto(link)
     page.wait_for_function(f"document.body.innerText.includes('{a['ray_job_id']}')", timeout=60_000)
     assert "Authentication" not in page.inner_text("body")
     page.shot("ray-job")
-    assert reqs.outside() == [], reqs.outside()
+    jobs = page.evaluate("fetch('/ray/api/jobs/').then(r => r.json())")
+    job = next(j for j in jobs if j.get("submission_id") == a["ray_job_id"])
+    assert job["metadata"]["job_name"] == "console-a"  # the name Ray's job list shows
+    # a script on the dashboard's origin can neither read the API nor act on it
+    before = len(httpx.get(f"{url}/v1/runs", params={"limit": 200}, timeout=30).json()["items"])
+    read = page.evaluate("u => fetch(u + '/v1/runs').then(r => 'read', e => 'blocked')", url)
+    spec = tiny_spec("from-ray-page", steps=2)  # a valid spec: only the origin check can refuse it
+    posted = page.evaluate("""([u, spec]) => fetch(u + '/v1/runs', {method: 'POST', credentials: 'include',
+        mode: 'no-cors', headers: {'Content-Type': 'text/plain'}, body: JSON.stringify(spec)})
+        .then(r => 'sent', e => 'blocked')""", [url, spec])
+    assert read == "blocked" and posted in ("sent", "blocked")
+    after = httpx.get(f"{url}/v1/runs", params={"limit": 200}, timeout=30).json()["items"]
+    assert len(after) == before and not any(r["name"] == "from-ray-page" for r in after)
 
 
 def test_compare_shows_curves_and_the_fields_that_differ(live_service, finished, console):

@@ -56,7 +56,7 @@ def test_ray_proxy_shows_each_project_only_its_own_jobs(walled):
     _wait(walled, b_sid)
 
     def get(path: str, headers: dict[str, str], **params) -> httpx.Response:
-        return httpx.get(f"{url}/ray/{path}", headers=headers, params=params, timeout=60)
+        return httpx.get(f"{walled.ray_url}/ray/{path}", headers=headers, params=params, timeout=60)
 
     # the job list is filtered to the caller's project; admins see both
     listed = {j["submission_id"] for j in get("api/jobs/", alpha).json()}
@@ -99,4 +99,5 @@ def test_ray_proxy_shows_each_project_only_its_own_jobs(walled):
     finally:
         walled.settings.ray_dashboard_proxy = "project"
     # no token: the sign-in page, never the dashboard
-    assert httpx.get(f"{url}/ray/api/jobs/", timeout=30, follow_redirects=False).status_code == 303
+    signin = httpx.get(f"{walled.ray_url}/ray/api/jobs/", timeout=30, follow_redirects=False)
+    assert signin.status_code == 303 and signin.headers["location"].startswith(f"{url}/signin?next=")

@@ -111,12 +111,21 @@ def test_cluster_endpoint_reports_nodes_and_resources(live_service, ray_cluster)
     body = httpx.get(f"{live_service.url}/v1/cluster", timeout=30).json()
     assert body["cpus_total"] >= 4 and 0 <= body["cpus_free"] <= body["cpus_total"]
     # Ray's dashboard through the service (it adds the cluster's token): the link works for a meshrun-only user
-    assert body["dashboard_url"] == f"{live_service.url}/ray/"
+    # on an origin of its own (service.app.ray_origin): /ray/ on the service's port redirects there
+    ray_url = live_service.ray_url
+    assert ray_url != live_service.url and body["dashboard_url"] == f"{ray_url}/ray/"
     page = httpx.get(body["dashboard_url"], timeout=30)
     assert page.status_code == 200 and "Ray Dashboard" in page.text
-    jobs = httpx.get(f"{live_service.url}/ray/api/jobs/", timeout=30)
+    moved = httpx.get(f"{live_service.url}/ray/api/jobs/?limit=5", timeout=30)
+    assert moved.status_code == 307 and moved.headers["location"] == f"{ray_url}/ray/api/jobs/?limit=5"
+    jobs = httpx.get(f"{ray_url}/ray/api/jobs/", timeout=30)
     assert jobs.status_code == 200 and isinstance(jobs.json(), list)
-    assert httpx.post(f"{live_service.url}/ray/api/jobs/", json={}, timeout=30).status_code == 405  # read-only
+    assert httpx.post(f"{ray_url}/ray/api/jobs/", json={}, timeout=30).status_code == 405  # read-only
+    # the dashboard's port serves nothing else, and a page there cannot act on the API
+    assert httpx.get(f"{ray_url}/v1/runs", timeout=30).status_code == 404
+    refused = httpx.post(f"{live_service.url}/v1/runs", json=tiny_spec("from-ray-page"), timeout=30,
+                         headers={"Origin": ray_url})
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "cross_origin"
     assert any(n["alive"] and n["cpus"] > 0 for n in body["nodes"])
 
 

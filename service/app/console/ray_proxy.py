@@ -12,7 +12,8 @@ arbitrary code and are not reachable through it. Who may use it: ``settings.ray_
   metadata). Everything else (nodes, actors, tasks, other logs, other projects' jobs) answers 404.
 - ``signed-in``: every signed-in user sees everything (every project's jobs).
 
-The browser's cookies and Authorization header are not forwarded; Ray's Set-Cookie headers are not returned. The
+It is served on an origin of its own (``service.app.ray_origin``). The browser's cookies and Authorization header
+are not forwarded; Ray's Set-Cookie headers are not returned. The
 dashboard's own pages use relative URLs, so they work under the ``/ray/`` prefix.
 """
 
@@ -30,6 +31,7 @@ from starlette.background import BackgroundTask
 from service.app.console.web import console_principal, page, ray_proxy_allowed, sign_in_redirect
 from service.app.deps import Principal
 from service.app.errors import error_response
+from service.app.ray_origin import origin_url
 
 log = logging.getLogger(__name__)
 router = APIRouter(include_in_schema=False)
@@ -51,6 +53,17 @@ _OTHER_LOG_SELECTORS = ("task_id", "actor_id", "pid", "glob")
 @router.get("/ray")
 def ray_root() -> Response:
     return RedirectResponse("/ray/", status_code=307)
+
+
+def _sign_in(request: Request) -> Response:
+    """The sign-in page, which lives on the service's origin when the dashboard has its own
+    (``service.app.ray_origin``); the sign-in cookie then opens both."""
+    resp = sign_in_redirect(request)
+    settings = request.app.state.settings
+    location = resp.headers.get("location")
+    if settings.ray_proxy_listen_port is not None and location and location.startswith("/"):
+        resp.headers["location"] = origin_url(request.scope, settings.port) + location
+    return resp
 
 
 def _not_found() -> Response:
@@ -123,7 +136,7 @@ async def _project_view(request: Request, path: str, base: str, project: str) ->
 async def ray_dashboard(request: Request, path: str) -> Response:
     principal = console_principal(request)
     if principal is None:
-        return sign_in_redirect(request)
+        return _sign_in(request)
     runtime = getattr(request.app.state, "runtime", None)
     base = getattr(runtime, "dashboard_url", None) if runtime is not None else None
     if not ray_proxy_allowed(request, principal) or not base:

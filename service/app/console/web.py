@@ -23,7 +23,7 @@ from api.spec import layout_label
 from api.spec.units import format_bytes
 from service.app.deps import Principal, local_principal, principal_from_cookie, principal_from_secret
 from service.app.errors import ApiError
-from service.app.links import ray_job_link, ray_proxy_allowed, service_base_url
+from service.app.links import ray_job_link, ray_proxy_allowed, ray_proxy_url, service_base_url
 from service.meta import VERSION
 
 HERE = Path(__file__).resolve().parent
@@ -173,6 +173,7 @@ def page(request: Request, template: str, principal: Principal | None, **context
         "auth": settings.auth_enabled,
         "csrf_token": getattr(request.state, "csrf_token", "") or request.app.state.console_csrf,
         "ray_proxy": ray_proxy_allowed(request, principal),
+        "ray_url": ray_proxy_url(request),
         "path": request.url.path,
         **context,
     }

@@ -26,8 +26,8 @@ async def get_cluster(request: Request, runtime: RuntimeDep, principal: Principa
         cluster = await run_in_threadpool(runtime.cluster)
     except Exception as e:
         raise ApiError(503, f"the Ray cluster is not reachable: {e}", code="runtime_unavailable") from e
-    from service.app.links import ray_proxy_allowed, service_base_url
+    from service.app.links import ray_proxy_allowed, ray_proxy_url
 
     if ray_proxy_allowed(request, principal):
-        cluster = cluster.model_copy(update={"dashboard_url": f"{service_base_url(request)}/ray/"})
+        cluster = cluster.model_copy(update={"dashboard_url": ray_proxy_url(request)})
     return cluster

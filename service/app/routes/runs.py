@@ -104,11 +104,11 @@ def run_public(
     summ = summary if summary is not None else (run.summary or store.stats_summary(stats))
     dashboard_url = run.dashboard_url
     if request is not None and run.ray_job_id:
-        from service.app.links import ray_job_link, service_base_url
+        from service.app.links import ray_job_link
 
         link = ray_job_link(request, getattr(request.state, "principal", None), run.ray_job_id, None)
         if link is not None:
-            dashboard_url = service_base_url(request) + link
+            dashboard_url = link
     return RunPublic(
         id=run.id,
         name=run.name,
