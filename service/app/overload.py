@@ -16,7 +16,8 @@ The queue bound is one deadline per request: waiting for the write lane, behind 
 the planner together last at most ``request_queue_timeout_s``; then 503 with ``Retry-After``. The deadline is left
 in ``scope["state"]["queue_deadline"]`` (``anyio.current_time()`` clock) for the routes that wait further
 (``service.app.routes.plans``). A request that started is served to the end (a plan search runs in a thread pool
-of bounded size). ``bench/bench_overload.py`` measures it with 200 clients."""
+of bounded size). A 503 says how long the service held it (``Server-Timing: queue;dur=<ms>``).
+``bench/bench_overload.py`` measures it with 200 clients."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # where they would hold back every submission behind them
 LANE_EXEMPT_SUFFIXES = ("/cancel",)
 DEADLINE_KEY = "queue_deadline"
+ARRIVED_KEY = "queue_arrived"
 
 
 def queue_deadline(scope: Scope) -> float | None:
@@ -41,6 +43,13 @@ def queue_deadline(scope: Scope) -> float | None:
     state = scope.get("state") or {}
     value = state.get(DEADLINE_KEY)
     return float(value) if value is not None else None
+
+
+def queue_timing(scope: Scope) -> str:
+    """A ``Server-Timing`` value: how long the service held the request, from reaching the gate to now."""
+    arrived = (scope.get("state") or {}).get(ARRIVED_KEY)
+    waited_ms = (anyio.current_time() - float(arrived)) * 1000 if arrived is not None else 0.0
+    return f'queue;dur={waited_ms:.0f};desc="queued"'
 
 
 class OverloadGate:
@@ -71,7 +80,9 @@ class OverloadGate:
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(self.slots)
             self._writes = anyio.CapacityLimiter(self.write_slots)
-        scope.setdefault("state", {})[DEADLINE_KEY] = anyio.current_time() + self.queue_timeout_s
+        now = anyio.current_time()
+        state = scope.setdefault("state", {})
+        state[DEADLINE_KEY], state[ARRIVED_KEY] = now + self.queue_timeout_s, now
         if scope.get("method", "GET") in READ_METHODS:
             await self._read(scope, receive, send)
         elif str(scope.get("path", "")).rstrip("/").endswith(LANE_EXEMPT_SUFFIXES):
@@ -132,6 +143,8 @@ class OverloadGate:
             "overloaded",
             f"the service is busy ({limiter.total_tokens:g} requests of this kind in progress, others waited "
             f"{self.queue_timeout_s:g} s); retry in {RETRY_AFTER_S} s",
-            headers={"Retry-After": str(RETRY_AFTER_S)},
+            # what the service measured: from the request reaching the gate to this answer (a client that sees
+            # far more waited on its own side or in the network)
+            headers={"Retry-After": str(RETRY_AFTER_S), "Server-Timing": queue_timing(scope)},
         )(scope, receive, send)
         return False

@@ -29,6 +29,7 @@ from service.store.models import RunEvent
 logger = logging.getLogger(__name__)
 
 EVENT_KIND = "disk_full"
+WAIT_EVENT_KIND = "disk_full_wait"
 CAUSE = "disk full"
 # what a full disk looks like in the text of an error (the OSError is often wrapped: DCP's CheckpointException,
 # a worker's formatted traceback, SQLAlchemy's OperationalError)
@@ -105,6 +106,7 @@ def retry_after_disk_full(
 ) -> bool:
     """After a disk-full failure: True when the run was requeued (space returned, budget left); False when the
     failure stands (budget spent, no space in time, or the driver's attempt was revoked meanwhile)."""
+    space_paths = list(space_paths)
     with session_scope(factory) as s:  # reads only: they work on a full disk
         used = disk_full_failures(s, run_id=run_id)
         ck = store.latest_checkpoint(s, run_id=run_id)
@@ -113,6 +115,8 @@ def retry_after_disk_full(
         return False
     need = max(min_free_bytes, _dir_bytes(ck.path) if ck is not None else 0)
     logger.warning("run %s: disk full (%s); waiting for %d free bytes", run_id, sentence[:200], need)
+    where_short = ", ".join(str(p) for p in space_paths)
+    _note(factory, run_id, f"{CAUSE}: waiting up to {timeout_s:.0f} s for {need >> 20} MiB free on {where_short}")
     if not wait_for_space(space_paths, need, timeout_s=timeout_s, poll_s=poll_s):
         return False
     budget = "unlimited" if max_failures == -1 else f"{used + 1} of max_failures={max_failures}"
@@ -135,6 +139,16 @@ def retry_after_disk_full(
     if res.changed:
         logger.warning("run %s: requeued after a full disk (failure %s)", run_id, budget)
     return res.changed
+
+
+def _note(factory: sessionmaker[Session], run_id: str, reason: str) -> None:
+    """A ``disk_full_wait`` event, so the run's page says why it stalls; best effort (the database itself may be
+    on the full disk). Not counted against the failure budget (``EVENT_KIND`` is)."""
+    try:
+        with session_scope(factory) as s:
+            store.add_event(s, run_id=run_id, kind=WAIT_EVENT_KIND, reason=reason[:2000], actor="driver")
+    except Exception as e:  # a note must never turn a retry into a failure
+        logger.warning("run %s: could not record the wait for space: %s", run_id, e)
 
 
 def _dir_bytes(path: str) -> int:

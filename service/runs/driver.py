@@ -169,7 +169,12 @@ def _retried_after_disk_full(life: RunLifecycle, spec: RunSpec, settings: Settin
     if not is_disk_full(error, life.recorder.worker_errors):
         return False
     storage = spec.checkpoint.storage
-    paths: list[str | Path] = [settings.data_dir, *([storage] if storage and "://" not in storage else [])]
+    # the service's data_dir (its database), and where the checkpoints go: the run's own storage, or the service's
+    # checkpoint root (often another disk than data_dir)
+    ckpt: str | Path | None = storage if storage and "://" not in storage else None
+    if not storage and settings.checkpoint_root is not None:
+        ckpt = settings.checkpoint_root
+    paths: list[str | Path] = [settings.data_dir, *([ckpt] if ckpt is not None else [])]
     return retry_after_disk_full(
         life.factory,
         run_id=life.run_id,

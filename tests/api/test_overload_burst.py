@@ -5,6 +5,7 @@ bound without an answer. Not timed: the latencies are ``bench/bench_overload.py`
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -55,7 +56,7 @@ def server(tmp_path):
 def test_a_burst_larger_than_the_write_lane_gets_2xx_or_503_with_retry_after_and_no_drops(server):
     barrier = threading.Barrier(CLIENTS)
 
-    def one(i: int) -> tuple[str, int | str, str | None]:
+    def one(i: int) -> tuple[str, int | str, str | None, str | None]:
         kind = ("GET runs", "POST runs", "POST runs+key", "POST plans")[i % 4]
         with httpx.Client(base_url=server, timeout=QUEUE_S + 60) as c:
             barrier.wait()
@@ -70,10 +71,10 @@ def test_a_burst_larger_than_the_write_lane_gets_2xx_or_503_with_retry_after_and
                     else:
                         r = c.post("/v1/plans", json=PLAN)
                     if not (200 <= r.status_code < 300):
-                        return kind, r.status_code, r.headers.get("Retry-After")
-                return kind, r.status_code, r.headers.get("Retry-After")
+                        return kind, r.status_code, r.headers.get("Retry-After"), r.headers.get("Server-Timing")
+                return kind, r.status_code, r.headers.get("Retry-After"), None
             except httpx.TransportError as e:  # a reset or closed connection: dropped
-                return kind, f"dropped: {type(e).__name__}: {e}", None
+                return kind, f"dropped: {type(e).__name__}: {e}", None, None
 
     with ThreadPoolExecutor(CLIENTS) as pool:
         results = list(pool.map(one, range(CLIENTS)))
@@ -81,6 +82,11 @@ def test_a_burst_larger_than_the_write_lane_gets_2xx_or_503_with_retry_after_and
     assert not dropped, dropped
     bad = [r for r in results if not (200 <= r[1] < 300 or (r[1] == 503 and r[2] and int(r[2]) >= 1))]
     assert not bad, bad
-    by_kind = Counter((kind, status) for kind, status, _ in results)
+    # a 503 says how long the service held the request: its queue bound, measured from the gate
+    for kind, status, _, timing in results:
+        if status == 503:
+            m = re.fullmatch(r'queue;dur=(\d+);desc="queued"', timing or "")
+            assert m and int(m.group(1)) >= QUEUE_S * 1000 - 5, (kind, timing)
+    by_kind = Counter((kind, status) for kind, status, _, _ in results)
     assert any(200 <= s < 300 for (k, s) in by_kind if k == "POST plans"), by_kind  # the writes are served, in turn
     assert any(200 <= s < 300 for (k, s) in by_kind if k == "GET runs"), by_kind

@@ -86,6 +86,7 @@ def console(browser: Any, shots: Path) -> Iterator[Any]:
         page.js_errors = errors
         # the service's Content-Security-Policy must not block anything the console's own pages do
         page.on("console", lambda m: "Content Security Policy" in m.text and violations.append((page.url, m.text)))
+        page.csp_violations = violations  # a test that provokes one on purpose takes it out again
         # a string predicate is eval'd in the page (which the CSP forbids): hand it over as a function instead
         wait = page.wait_for_function
         page.wait_for_function = lambda expr, **kw: wait(

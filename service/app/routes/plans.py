@@ -35,7 +35,7 @@ from api.spec.validation import SpecError, SpecIssue
 from service import planner
 from service.app.deps import RuntimeDep, SessionFactoryDep
 from service.app.errors import error_responses
-from service.app.overload import queue_deadline
+from service.app.overload import queue_deadline, queue_timing
 from service.control.runtime import Runtime
 from service.errors import Unavailable
 from service.store.calibrations import calibration_for
@@ -156,7 +156,7 @@ async def create_plan(req: PlanRequest, request: Request, runtime: RuntimeDep, f
             f"the planner stayed busy with {limiter.slots} searches until this request's queue limit; retry in "
             f"{RETRY_AFTER_S} s",
             code="planner_busy",
-            headers={"Retry-After": str(RETRY_AFTER_S)},
+            headers={"Retry-After": str(RETRY_AFTER_S), "Server-Timing": queue_timing(request.scope)},
         )
     try:  # serialized in the pool too: a long answer encoded on the event loop would stall every other request
         body = await asyncio.get_running_loop().run_in_executor(
