@@ -13,7 +13,9 @@ machine four looping heavy requests leave the p99 of ``GET /v1/runs`` within 1.5
 (``bench/bench_heavy_requests.py``), instead of 7x without the lane.
 
 The queue bound is one deadline per request: waiting for the write lane, behind reads, for a slot and (plans) for
-the planner together last at most ``request_queue_timeout_s``; then 503 with ``Retry-After``. The deadline is left
+the planner together last at most ``request_queue_timeout_s``; then 503 with ``Retry-After``. The gate gives up at
+90% of it (``ANSWER_MARGIN``): on a saturated machine the event loop reads a request and sends an answer seconds
+late, and the bound is what the client sees. The deadline is left
 in ``scope["state"]["queue_deadline"]`` (``anyio.current_time()`` clock) for the routes that wait further
 (``service.app.routes.plans``). A request that started is served to the end (a plan search runs in a thread pool
 of bounded size). A 503 says how long the service held it (``Server-Timing: queue;dur=<ms>``).
@@ -36,6 +38,7 @@ READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 LANE_EXEMPT_SUFFIXES = ("/cancel",)
 DEADLINE_KEY = "queue_deadline"
 ARRIVED_KEY = "queue_arrived"
+ANSWER_MARGIN = 0.1  # of request_queue_timeout_s, kept for the event loop's lag on a loaded machine
 
 
 def queue_deadline(scope: Scope) -> float | None:
@@ -67,6 +70,9 @@ class OverloadGate:
         self.write_slots = min(self.slots, max(1, write_slots)) if write_slots else self.slots
         self.read_priority_s = max(0.0, read_priority_s)
         self.queue_timeout_s = queue_timeout_s
+        # how long the gate holds a request: a little less than the bound, so that the answer reaches the client
+        # within it even when a saturated event loop read the request late or sends the answer late
+        self.hold_s = queue_timeout_s * (1 - ANSWER_MARGIN)
         # made on the server's event loop
         self._limiter: anyio.CapacityLimiter | None = None
         self._writes: anyio.CapacityLimiter | None = None
@@ -82,7 +88,7 @@ class OverloadGate:
             self._writes = anyio.CapacityLimiter(self.write_slots)
         now = anyio.current_time()
         state = scope.setdefault("state", {})
-        state[DEADLINE_KEY], state[ARRIVED_KEY] = now + self.queue_timeout_s, now
+        state[DEADLINE_KEY], state[ARRIVED_KEY] = now + self.hold_s, now
         if scope.get("method", "GET") in READ_METHODS:
             await self._read(scope, receive, send)
         elif str(scope.get("path", "")).rstrip("/").endswith(LANE_EXEMPT_SUFFIXES):
@@ -134,7 +140,7 @@ class OverloadGate:
         """Wait for a slot of ``limiter``; False (after answering 503) when none came by the request's deadline."""
         deadline = queue_deadline(scope)
         if deadline is None:
-            deadline = anyio.current_time() + self.queue_timeout_s
+            deadline = anyio.current_time() + self.hold_s
         with anyio.CancelScope(deadline=deadline):
             await limiter.acquire_on_behalf_of(token)
             return True

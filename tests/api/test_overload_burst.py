@@ -16,6 +16,8 @@ import httpx
 import pytest
 import uvicorn
 
+from service.app.overload import ANSWER_MARGIN
+
 SPEC = {"name": "burst", "layout": {"dp": 2}, "batch": {"global_batch_size": 8, "micro_batch_size": 2}}
 PLAN = {"model": {"name": "gpt", "preset": "7b"}, "cluster": {"device": "H100", "nodes": 1}, "global_batch_size": 64}
 CLIENTS = 48
@@ -86,7 +88,7 @@ def test_a_burst_larger_than_the_write_lane_gets_2xx_or_503_with_retry_after_and
     for kind, status, _, timing in results:
         if status == 503:
             m = re.fullmatch(r'queue;dur=(\d+);desc="queued"', timing or "")
-            assert m and int(m.group(1)) >= QUEUE_S * 1000 - 5, (kind, timing)
+            assert m and int(m.group(1)) >= QUEUE_S * 1000 * (1 - ANSWER_MARGIN) - 5, (kind, timing)
     by_kind = Counter((kind, status) for kind, status, _, _ in results)
     assert any(200 <= s < 300 for (k, s) in by_kind if k == "POST plans"), by_kind  # the writes are served, in turn
     assert any(200 <= s < 300 for (k, s) in by_kind if k == "GET runs"), by_kind

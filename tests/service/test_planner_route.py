@@ -190,7 +190,7 @@ def test_a_busy_planner_makes_a_plan_wait_then_answers_503_with_retry_after_at_i
             waited = time.monotonic() - t0
             assert r.status_code == 503
             assert r.headers["Retry-After"] == "1" and r.json()["error"]["code"] == "planner_busy"
-            assert 1.4 <= waited < 10  # it waited for its queue limit, not for ever
+            assert 1.3 <= waited < 10  # it waited for its queue limit (less the answer margin), not for ever
         finally:
             limiter.release()
         assert c.post("/v1/plans", json=body()).status_code == 200  # the slot is free again
