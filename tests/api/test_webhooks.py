@@ -62,6 +62,13 @@ def test_state_changes_are_signed_and_a_500_is_retried(make_client):
         assert d["attempts"] == 2 and d["http_status"] == 200 and d["run_id"] == run["id"] and d["error"] is None
         assert d["delivered_at"] and d["last_attempt_at"] and d["created_at"]
 
+        # the console shows the webhook and its delivery log, never the secret, under the strict CSP
+        page = client.get("/webhooks")
+        assert page.status_code == 200 and rec.url in page.text and run["id"] in page.text, page.text[:500]
+        assert "delivered" in page.text and secret not in page.text and hook["secret_prefix"] in page.text
+        assert "'unsafe-inline'" not in page.headers["content-security-policy"].split(
+            "script-src")[1].split(";")[0]
+
         # a cancel is one more state change: QUEUED -> CANCELLED
         assert client.post(f"/v1/runs/{run['id']}/cancel").status_code == 200
         calls = rec.wait_for(lambda c: any(x.json["to_status"] == "CANCELLED" for x in c))
