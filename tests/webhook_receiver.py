@@ -53,7 +53,7 @@ def receiver() -> Iterator[Receiver]:
     state: dict[str, Receiver] = {}
 
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        def do_POST(self) -> None:
             rec = state["r"]
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             with rec.lock:

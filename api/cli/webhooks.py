@@ -113,6 +113,6 @@ def webhook_deliveries(
 
 @command(webhook_app, "ping")
 def webhook_ping(ctx: typer.Context, webhook_id: int = typer.Argument(..., metavar="ID", min=1)) -> None:
-    """Send a test event (see it with `meshrun webhook deliveries ID`)."""
+    """Send a test event (it shows in the delivery log like any other)."""
     d = _state(ctx).client().webhooks.ping(webhook_id)
     out().print(f"ping queued as delivery {d.id}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -32,10 +33,17 @@ class Webhooks:
         """Add a webhook. The answer's ``secret`` (generated unless given) signs every call and is never shown
         again: keep it where the receiver can check ``X-Meshrun-Signature``."""
         body: dict[str, object] = {"url": url, "format": format}
-        for key, value in (("events", events), ("states", states)):
-            if value is not None:
-                body[key] = list(value)
-        for key, value in (("secret", secret), ("run_id", run_id), ("goodput_below", goodput_below), ("project", project)):
+        if events is not None:
+            body["events"] = list(events)
+        if states is not None:
+            body["states"] = list(states)
+        extra: tuple[tuple[str, object], ...] = (
+            ("secret", secret),
+            ("run_id", run_id),
+            ("goodput_below", goodput_below),
+            ("project", project),
+        )
+        for key, value in extra:
             if value is not None:
                 body[key] = value
         return tolerant_validate(WebhookCreated, self._client.request("POST", "/v1/webhooks", json=body))
@@ -49,7 +57,7 @@ class Webhooks:
     def delete(self, webhook_id: int) -> None:
         self._client.request("DELETE", f"/v1/webhooks/{int(webhook_id)}")
 
-    def deliveries(self, webhook_id: int, *, limit: int = 100) -> list[DeliveryPublic]:
+    def deliveries(self, webhook_id: int, *, limit: int = 100) -> builtins.list[DeliveryPublic]:
         """The delivery log, newest first: event, outcome, attempts, last HTTP status and error."""
         data = self._client.request("GET", f"/v1/webhooks/{int(webhook_id)}/deliveries", params={"limit": limit})
         return tolerant_validate(DeliveryList, data).items

@@ -93,7 +93,6 @@ from api.spec.sweep import (
     TrialPublic,
 )
 from api.spec.validation import SpecCheck, SpecError, SpecIssue, build_plan, check_spec, resolve_model
-
 from api.spec.webhooks import (
     WEBHOOK_EVENTS,
     DeliveryList,

@@ -18,6 +18,7 @@ from api.spec.public import RunStatus
 
 WebhookEvent = Literal["run.state", "run.straggler", "run.hang", "run.goodput_low", "sweep.finished"]
 WEBHOOK_EVENTS: tuple[str, ...] = ("run.state", "run.straggler", "run.hang", "run.goodput_low", "sweep.finished")
+DEFAULT_EVENTS: tuple[WebhookEvent, ...] = ("run.state", "sweep.finished")
 PayloadFormat = Literal["json", "slack"]
 DeliveryOutcome = Literal["pending", "delivered", "failed"]
 MAX_URL_CHARS = 2048
@@ -53,7 +54,7 @@ def check_webhook_url(url: str) -> str:
 class WebhookCreate(_Spec):
     url: str = Field(description="Where to POST: an http:// or https:// URL.", max_length=MAX_URL_CHARS)
     events: list[WebhookEvent] = Field(
-        default_factory=lambda: ["run.state", "sweep.finished"],
+        default_factory=lambda: list(DEFAULT_EVENTS),
         min_length=1,
         max_length=len(WEBHOOK_EVENTS),
         description="run.state (a run's status changed), run.straggler, run.hang, run.goodput_low (a run ended "

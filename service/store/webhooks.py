@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -98,7 +98,7 @@ def get_webhook(session: Session, *, webhook_id: int, project: str | None) -> We
 
 def delete_webhook(session: Session, *, webhook_id: int, project: str | None) -> None:
     hook = get_webhook(session, webhook_id=webhook_id, project=project)
-    session.execute(WebhookDelivery.__table__.delete().where(WebhookDelivery.webhook_id == hook.id))
+    session.execute(delete(WebhookDelivery).where(WebhookDelivery.webhook_id == hook.id))
     session.delete(hook)
     session.flush()
 
@@ -183,14 +183,24 @@ def _scan_runs(session: Session, hook: Webhook, upto: int) -> int:
         wanted = event in hook.events and not (event == "run.state" and hook.states and ev.to_status not in hook.states)
         if wanted:
             n += add_delivery(
-                session, hook=hook, source=f"run_event:{ev.id}", event=event, payload=_run_payload(ev, run), run_id=run.id
+                session,
+                hook=hook,
+                source=f"run_event:{ev.id}",
+                event=event,
+                payload=_run_payload(ev, run),
+                run_id=run.id,
             )
         if "run.goodput_low" in hook.events and ev.kind == "state" and ev.to_status in TERMINAL_RUN:
             goodput = run_goodput(session, run=run).get("goodput")
             if goodput is not None and hook.goodput_below is not None and goodput < hook.goodput_below:
                 payload = {**_run_payload(ev, run), "goodput": goodput, "goodput_below": hook.goodput_below}
                 n += add_delivery(
-                    session, hook=hook, source=f"goodput:{ev.id}", event="run.goodput_low", payload=payload, run_id=run.id
+                    session,
+                    hook=hook,
+                    source=f"goodput:{ev.id}",
+                    event="run.goodput_low",
+                    payload=payload,
+                    run_id=run.id,
                 )
     hook.run_event_cursor = rows[-1][0].id if len(rows) == SCAN_BATCH else upto
     return n
@@ -221,7 +231,12 @@ def _scan_sweeps(session: Session, hook: Webhook, upto: int) -> int:
             "event_id": ev.id,
         }
         n += add_delivery(
-            session, hook=hook, source=f"sweep_event:{ev.id}", event="sweep.finished", payload=payload, sweep_id=sweep.id
+            session,
+            hook=hook,
+            source=f"sweep_event:{ev.id}",
+            event="sweep.finished",
+            payload=payload,
+            sweep_id=sweep.id,
         )
     hook.sweep_event_cursor = rows[-1][0].id if len(rows) == SCAN_BATCH else upto
     return n
@@ -287,8 +302,16 @@ def claim_due(session: Session, *, lease_s: float, limit: int = 20) -> list[Due]
         )
         if claimed.rowcount == 1:  # type: ignore[attr-defined]
             out.append(
-                Due(d.id, hook.id, d.event, hook.url, hook.payload_format, hook.secret_sealed, dict(d.payload),
-                    d.attempts + 1)
+                Due(
+                    d.id,
+                    hook.id,
+                    d.event,
+                    hook.url,
+                    hook.payload_format,
+                    hook.secret_sealed,
+                    dict(d.payload),
+                    d.attempts + 1,
+                )
             )
     return out
 
@@ -353,7 +376,8 @@ def slack_text(payload: dict[str, Any]) -> str:
     if "sweep" in payload:
         sweep = payload["sweep"]
         icon = _ICONS.get(str(payload.get("to_status")), "")
-        return f"{icon} sweep {sweep.get('name')} ({sweep.get('id')}) finished {payload.get('to_status')}{reason}".strip()
+        what = f"sweep {sweep.get('name')} ({sweep.get('id')}) finished {payload.get('to_status')}{reason}"
+        return f"{icon} {what}".strip()
     return f"meshrun {event}{reason}"
 
 

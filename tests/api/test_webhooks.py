@@ -151,6 +151,7 @@ def test_bad_webhooks_are_422_naming_the_field(client, body, param):
 
 
 def test_unknown_run_and_webhook_are_404(client):
-    assert _error(client.post("/v1/webhooks", json={"url": "https://e.x/h", "run_id": "nope"}), 404)["param"] == "run_id"
+    r = client.post("/v1/webhooks", json={"url": "https://e.x/h", "run_id": "nope"})
+    assert _error(r, 404)["param"] == "run_id"
     _error(client.get("/v1/webhooks/999/deliveries"), 404)
     _error(client.delete("/v1/webhooks/999"), 404)

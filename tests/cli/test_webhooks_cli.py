@@ -24,7 +24,8 @@ def test_webhook_commands_and_signed_terminal_states(api_server):
         hook_ok = json.loads(r.output)
         hook_bad = client.webhooks.create(rec.url, run_id=bad.id, states=["SUCCEEDED", "FAILED"], format="json")
         secrets = {ok.id: hook_ok["secret"], bad.id: hook_bad.secret}
-        workers = [FakeWorker(api_server, ok.id, steps=2).start(), FakeWorker(api_server, bad.id, steps=2, fail_at=1).start()]
+        workers = [FakeWorker(api_server, ok.id, steps=2).start(),
+                   FakeWorker(api_server, bad.id, steps=2, fail_at=1).start()]
         for w in workers:
             w.join()
         calls = rec.wait_for(lambda c: len(c) >= 2)

@@ -119,7 +119,9 @@ def list_deliveries(
     summary="Send a test event",
     responses=error_responses(404),
 )
-def ping_webhook(webhook_id: WebhookId, request: Request, session: SessionDep, principal: PrincipalDep) -> DeliveryPublic:
+def ping_webhook(
+    webhook_id: WebhookId, request: Request, session: SessionDep, principal: PrincipalDep
+) -> DeliveryPublic:
     """Queue a ``ping`` event for this webhook (delivered like any other: signed, retried, logged)."""
     hook = store.get_webhook(session, webhook_id=webhook_id, project=principal.scope)
     source = f"ping:{secrets.token_hex(8)}"
