@@ -155,3 +155,21 @@ def test_unknown_run_and_webhook_are_404(client):
     assert _error(r, 404)["param"] == "run_id"
     _error(client.get("/v1/webhooks/999/deliveries"), 404)
     _error(client.delete("/v1/webhooks/999"), 404)
+
+
+def test_webhooks_belong_to_their_project(make_client):
+    from service.security import tokens as auth
+
+    client = make_client(auth="on", webhooks=False)
+    with client.app.state.session_factory.begin() as s:
+        a = {"Authorization": f"Bearer {auth.create_token(s, 'proj-a', 'alice')}"}
+        b = {"Authorization": f"Bearer {auth.create_token(s, 'proj-b', 'bob')}"}
+    _error(client.post("/v1/webhooks", json={"url": "https://e.x/h"}), 401)
+    hook = client.post("/v1/webhooks", json={"url": "https://e.x/h"}, headers=a).json()
+    assert hook["project"] == "proj-a" and hook["created_by"] == "alice"
+    assert client.get("/v1/webhooks", headers=b).json()["items"] == []
+    for method, path in (("get", ""), ("get", "/deliveries"), ("post", "/ping"), ("delete", "")):
+        _error(client.request(method.upper(), f"/v1/webhooks/{hook['id']}{path}", headers=b), 404)
+    body = {"url": "https://e.x/h", "project": "proj-b"}
+    assert _error(client.post("/v1/webhooks", json=body, headers=a), 403)["param"] == "project"
+    assert [h["id"] for h in client.get("/v1/webhooks", headers=a).json()["items"]] == [hook["id"]]
