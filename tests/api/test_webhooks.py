@@ -99,6 +99,23 @@ def test_dead_receiver_does_not_block_requests(make_client):
     assert all(d["attempts"] == 3 and d["http_status"] is None and "Connect" in d["error"] for d in items), items
 
 
+def test_receiver_that_never_answers_holds_no_request(make_client):
+    """A receiver that accepts the connection and never answers: requests go on while its delivery is in flight;
+    the attempt ends at the per-attempt timeout and is logged."""
+    client = make_client(webhook_poll_s=0.05, webhook_timeout_s=0.5, webhook_max_attempts=1)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        hook = client.post("/v1/webhooks", json={"url": f"http://127.0.0.1:{silent.getsockname()[1]}/slow"}).json()
+        first = client.post("/v1/runs", json=SPEC)
+        assert first.status_code == 201
+        for _ in range(3):  # served while the first delivery waits on the silent receiver
+            assert client.post("/v1/runs", json=SPEC).status_code == 201
+            assert client.get(f"/v1/runs/{first.json()['id']}").status_code == 200
+        items = _deliveries(client, hook["id"], lambda it: len(it) == 4 and all(d["outcome"] == "failed" for d in it))
+    assert all(d["attempts"] == 1 and "Timeout" in d["error"] for d in items), items
+
+
 def test_slack_format_and_state_filter(make_client):
     client = make_client(**FAST)
     with receiver() as rec:
