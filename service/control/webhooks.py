@@ -34,7 +34,7 @@ class WebhookDispatcher:
     def __init__(self, settings: Settings, session_factory: sessionmaker[Session]) -> None:
         self.settings = settings
         self.factory = session_factory
-        self._key = webhook_key(settings)
+        self._key: bytes | None = None  # read on the first delivery: starting the service writes no key file
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -104,8 +104,10 @@ class WebhookDispatcher:
         error: str | None = None
         try:
             try:
+                if self._key is None:
+                    self._key = webhook_key(self.settings)
                 secret = unseal(d.secret_sealed, self._key)
-            except SealError as e:
+            except (SealError, OSError) as e:
                 error = str(e)
             else:
                 body = hooks.render_body(d.payload, d.payload_format)
