@@ -132,6 +132,18 @@ class Settings(BaseSettings):
     log_json: bool = False
     log_level: str = "INFO"
     start_scheduler: bool = Field(True, description="Run admission/reconcile loops in the API process.")
+    webhooks: bool = Field(True, description="Deliver webhooks (docs/webhooks.md) from this service process.")
+    webhook_key: str | None = Field(
+        None,
+        description="MESHRUN_WEBHOOK_KEY: the key that seals webhook secrets in the database (default: a random key "
+        "kept in <credentials_dir>/webhook.key, 0600). Service replicas sharing a database need the same key.",
+    )
+    webhook_poll_s: float = Field(1.0, gt=0, le=60, description="How often new events are turned into deliveries.")
+    webhook_timeout_s: float = Field(5.0, gt=0, le=60, description="Per delivery attempt (connect + response).")
+    webhook_max_attempts: int = Field(6, ge=1, le=20, description="Attempts per delivery before it is failed.")
+    webhook_retry_base_s: float = Field(
+        2.0, gt=0, le=600, description="Backoff before the 2nd attempt; doubled per attempt, capped at 10 minutes."
+    )
     console_session_hours: float = Field(12.0, gt=0, le=24 * 30, description="Web console sign-in lifetime.")
     ray_proxy_port: int | None = Field(
         None,

@@ -5,7 +5,7 @@ inside the command.
 One module per command group registers its commands on the shared typer app (``api.cli._common.app``).
 """
 
-from api.cli import observe, plan, runs, server, sweeps  # noqa: F401  (registers the commands)
+from api.cli import observe, plan, runs, server, sweeps, webhooks  # noqa: F401  (registers the commands)
 from api.cli._common import app
 
 __all__ = ["app"]

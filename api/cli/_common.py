@@ -82,7 +82,9 @@ token_app = typer.Typer(no_args_is_help=True, help="API tokens (written directly
 sweeps_app = typer.Typer(no_args_is_help=True, help="List, show, wait for and cancel sweeps.")
 app.add_typer(db_app, name="db")
 app.add_typer(token_app, name="token")
+webhook_app = typer.Typer(no_args_is_help=True, help="Webhooks: signed calls on run and sweep events.")
 app.add_typer(sweeps_app, name="sweeps")
+app.add_typer(webhook_app, name="webhook")
 
 REPO_EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 DEMO_SPEC_FILE = "demo.yaml"

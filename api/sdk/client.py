@@ -8,6 +8,7 @@ from typing import Any
 import httpx
 
 from ._base import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S, BaseClient
+from ._webhooks import Webhooks
 from .resources import ClusterResource, Plans, Runs, Sweeps
 
 
@@ -27,6 +28,7 @@ class Client(BaseClient):
     plans: Plans
     sweeps: Sweeps
     cluster: ClusterResource
+    webhooks: Webhooks
 
     def __init__(
         self,
@@ -52,6 +54,7 @@ class Client(BaseClient):
         self.plans = Plans(self)
         self.sweeps = Sweeps(self)
         self.cluster = ClusterResource(self)
+        self.webhooks = Webhooks(self)
 
     def with_options(self, *, timeout: float | httpx.Timeout | None = None, max_retries: int | None = None) -> Client:
         """A client sharing this one's connection pool with other per-request options."""

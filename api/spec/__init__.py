@@ -93,8 +93,24 @@ from api.spec.sweep import (
     TrialPublic,
 )
 from api.spec.validation import SpecCheck, SpecError, SpecIssue, build_plan, check_spec, resolve_model
+from api.spec.webhooks import (
+    WEBHOOK_EVENTS,
+    DeliveryList,
+    DeliveryPublic,
+    WebhookCreate,
+    WebhookCreated,
+    WebhookList,
+    WebhookPublic,
+)
 
 __all__ = [
+    "WEBHOOK_EVENTS",
+    "DeliveryList",
+    "DeliveryPublic",
+    "WebhookCreate",
+    "WebhookCreated",
+    "WebhookList",
+    "WebhookPublic",
     "ArtifactList",
     "ArtifactPublic",
     "BREAKDOWN_ROWS",

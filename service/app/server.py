@@ -36,9 +36,10 @@ from service.app.observability import configure_logging, instrument_app
 from service.app.overload import OverloadGate
 from service.app.ratelimit import RateLimiter
 from service.app.ray_origin import RayOriginMiddleware
-from service.app.routes import cluster, goodput, health, observe, plans, runs, sweeps, validate
+from service.app.routes import cluster, goodput, health, observe, plans, runs, sweeps, validate, webhooks
 from service.control import service_record
 from service.control.runtime import Runtime
+from service.control.webhooks import WebhookDispatcher
 from service.errors import ServiceError
 from service.meta import VERSION
 from service.security.hosts import HostPolicy
@@ -58,6 +59,7 @@ PROTECTED_ROUTERS: tuple[APIRouter, ...] = (
     plans.router,
     sweeps.router,
     cluster.router,
+    webhooks.router,
 )
 COMMON_ERRORS = (400, 401, 413, 429, 500, 503)
 TEMPLATES = CONSOLE_DIR / "templates"
@@ -121,6 +123,15 @@ def _start_runtime(settings: Settings, session_factory: sessionmaker[Session]) -
     return runtime
 
 
+def _start_webhooks(settings: Settings, session_factory: sessionmaker[Session]) -> WebhookDispatcher | None:
+    """Webhook delivery runs in every service process, with or without the Ray runtime (docs/webhooks.md)."""
+    if not settings.webhooks:
+        return None
+    dispatcher = WebhookDispatcher(settings, session_factory)
+    dispatcher.start()
+    return dispatcher
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The meshrun API. Nothing touches the database or Ray until the app starts (lifespan)."""
     settings = settings or get_settings()
@@ -138,6 +149,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.engine = engine
         app.state.session_factory = make_sessionmaker(engine)
         app.state.runtime = await run_in_threadpool(_start_runtime, settings, app.state.session_factory)
+        app.state.webhooks = _start_webhooks(settings, app.state.session_factory)
         _log_startup(settings, app.state.runtime)
         if app.state.record_service:  # ``serve``: doctor and demo find this service by its data directory
             service_record.write(
@@ -152,6 +164,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             if app.state.record_service:
                 service_record.clear(settings.data_dir)
+            dispatcher, app.state.webhooks = app.state.webhooks, None
+            if dispatcher is not None:
+                await run_in_threadpool(dispatcher.stop)
             runtime, app.state.runtime = app.state.runtime, None
             if runtime is not None:
                 await run_in_threadpool(runtime.stop)
@@ -171,6 +186,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.runtime = None
+    app.state.webhooks = None
     app.state.record_service = False
     app.state.rate_limiter = RateLimiter(settings.rate_limit_per_minute)
     install_error_handlers(app)

@@ -292,3 +292,55 @@ class Artifact(Base):
     size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     content: Mapped[bytes] = mapped_column(LargeBinary)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Webhook(Base):
+    """Where a project (or one run: ``run_id``) wants its events POSTed. The signing secret is kept sealed
+    (``secret_sealed``: encrypted and authenticated with the service's webhook key, ``service.store.webhooks``),
+    only ``secret_prefix`` is ever shown. ``run_event_cursor``/``sweep_event_cursor``: the last ``run_events`` and
+    ``sweep_events`` ids the dispatcher has turned into deliveries."""
+
+    __tablename__ = "webhooks"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    project: Mapped[str] = mapped_column(String(64), index=True)
+    run_id: Mapped[str | None] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    url: Mapped[str] = mapped_column(Text)
+    events: Mapped[list[str]] = mapped_column(JSON)
+    states: Mapped[list[str] | None] = mapped_column(JSON)
+    payload_format: Mapped[str] = mapped_column(String(16), default="json")
+    goodput_below: Mapped[float | None] = mapped_column(Float)
+    secret_sealed: Mapped[str] = mapped_column(Text)
+    secret_prefix: Mapped[str] = mapped_column(String(16))
+    run_event_cursor: Mapped[int] = mapped_column(BigInteger, default=0)
+    sweep_event_cursor: Mapped[int] = mapped_column(BigInteger, default=0)
+    created_by: Mapped[str | None] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class WebhookDelivery(Base):
+    """One event for one webhook and every attempt to deliver it: ``outcome`` pending / delivered / failed (gave
+    up after the last attempt), the last attempt's ``http_status`` and ``error``. ``source`` makes an event's
+    delivery unique per webhook (several service replicas may scan the same events)."""
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (
+        UniqueConstraint("webhook_id", "source"),
+        Index("ix_webhook_deliveries_outcome_next_attempt_at", "outcome", "next_attempt_at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    webhook_id: Mapped[int] = mapped_column(ForeignKey("webhooks.id", ondelete="CASCADE"))
+    source: Mapped[str] = mapped_column(String(64))
+    event: Mapped[str] = mapped_column(String(32))
+    run_id: Mapped[str | None] = mapped_column(String(40))
+    sweep_id: Mapped[str | None] = mapped_column(String(40))
+    payload: Mapped[dict[str, Any]] = mapped_column(JSON)
+    outcome: Mapped[str] = mapped_column(String(16), default="pending")
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    http_status: Mapped[int | None] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    next_attempt_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_attempt_at: Mapped[datetime | None] = mapped_column()
+    delivered_at: Mapped[datetime | None] = mapped_column()

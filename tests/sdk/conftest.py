@@ -72,7 +72,7 @@ def run_server(data_dir: Path, **overrides: Any) -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="session")
 def api_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    with run_server(tmp_path_factory.mktemp("meshrun-api"), rate_limit_per_minute=0) as srv:
+    with run_server(tmp_path_factory.mktemp("meshrun-api"), rate_limit_per_minute=0, webhook_poll_s=0.1) as srv:
         yield srv
 
 

@@ -13,7 +13,8 @@ from service.store.models import Base
 from tests.service.pg import postgres_database
 
 TABLES = {"runs", "run_attempts", "metrics", "run_events", "checkpoints", "sweeps", "trials", "calibrations",
-          "run_stats", "api_tokens", "console_sessions", "sweep_events", "artifacts"}
+          "run_stats", "api_tokens", "console_sessions", "sweep_events", "artifacts", "webhooks",
+          "webhook_deliveries"}
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])

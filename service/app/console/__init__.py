@@ -15,7 +15,7 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from service.app.console import forms, pages, ray_proxy
+from service.app.console import forms, pages, ray_proxy, webhooks_page
 from service.app.console.web import HERE
 from service.app.middleware import content_security_policy, inline_script_hashes
 
@@ -28,6 +28,7 @@ def install_console(app: FastAPI) -> None:
     app.mount(STATIC, StaticFiles(directory=str(HERE / "static")), name="static")
     app.include_router(pages.router)
     app.include_router(forms.router)
+    app.include_router(webhooks_page.router)
     app.include_router(ray_proxy.router)
 
     @app.get("/docs", include_in_schema=False)
