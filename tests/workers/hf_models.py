@@ -39,7 +39,7 @@ def save_tiny(kind: str, out: Path, *, seed: int = 0) -> Path:
         else:
             model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**sizes, tie_word_embeddings=True))
     with torch.no_grad():  # non-trivial norms and biases, so a mapping that drops them shows
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(out)
