@@ -23,6 +23,7 @@ from api.spec._base import (
     NAME_RE,
 )
 from api.spec.errors import ErrorBody, ErrorDetail
+from api.spec.export import ExportPublic, ExportRequest
 from api.spec.layout import MESH_DIMS, LayoutError, ResolvedLayout, layout_label
 from api.spec.metrics import BREAKDOWN_PARTS, BREAKDOWN_TERMS, MeasuredStepTime, MetricList, MetricRow
 from api.spec.observe import (
@@ -95,6 +96,8 @@ from api.spec.sweep import (
 from api.spec.validation import SpecCheck, SpecError, SpecIssue, build_plan, check_spec, resolve_model
 
 __all__ = [
+    "ExportPublic",
+    "ExportRequest",
     "ArtifactList",
     "ArtifactPublic",
     "BREAKDOWN_ROWS",

@@ -34,7 +34,7 @@ from service.app.middleware import (
 from service.app.observability import configure_logging, instrument_app
 from service.app.overload import OverloadGate
 from service.app.ratelimit import RateLimiter
-from service.app.routes import cluster, goodput, health, observe, plans, runs, sweeps, validate
+from service.app.routes import cluster, export, goodput, health, observe, plans, runs, sweeps, validate
 from service.control import service_record
 from service.control.runtime import Runtime
 from service.meta import VERSION
@@ -52,6 +52,7 @@ PROTECTED_ROUTERS: tuple[APIRouter, ...] = (
     runs.router,
     goodput.router,
     observe.router,
+    export.router,  # POST /v1/runs/{id}/export
     plans.router,
     sweeps.router,
     cluster.router,
