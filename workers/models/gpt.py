@@ -8,6 +8,10 @@ Shapes: B batch, T tokens, h d_model, f d_ff, V vocab, s max positions, H heads,
   - mlp: ``w1`` Linear(h, f, bias), GELU, ``w2`` Linear(f, h, bias)
 - ``norm`` LayerNorm(h), ``output`` Linear(h, V, bias=False) (untied, no dropout)
 
+``Arch`` switches the blocks to the Llama family for Hugging Face models (``workers/models/hf.py``): RMSNorm,
+SwiGLU (``mlp.w3``), rotary positions instead of ``pos_emb``, fewer key/value heads (``wk``/``wv`` of
+n_kv_heads x d). The default ``Arch()`` is the GPT-2 shape above.
+
 The parameter count equals ``api.spec.presets.gpt_param_count`` exactly (tested).
 
 Pipeline parallel: a stage-local copy sets ``tok_emb``/``pos_emb`` to None (the input is already a hidden
@@ -172,7 +176,11 @@ class GPT(nn.Module):
         ``loss_parallel`` leaves logits as a vocab-sharded DTensor (use ``loss_parallel()`` around the loss).
         """
         return _transformer_tp_plan(
-            self, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, attention=True
+            self,
+            sequence_parallel=sequence_parallel,
+            loss_parallel=loss_parallel,
+            attention=True,
+            gated=self.arch.act == "swiglu",
         )
 
     def stage_layer_keys(self, n_stages: int) -> list[list[str]]:
@@ -193,7 +201,9 @@ class GPT(nn.Module):
 
 
 # --------------------------------------------------------------------------------------- shared helpers
-def _transformer_tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool, attention: bool) -> dict:
+def _transformer_tp_plan(
+    model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool, attention: bool, gated: bool = False
+) -> dict:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
@@ -226,7 +236,7 @@ def _transformer_tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_para
                 plan[p + "ln_2"] = SequenceParallel()
                 plan[p + "mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
             plan[p + "mlp.w1"] = ColwiseParallel()
-            if getattr(layers[key].get_submodule("mlp"), "w3", None) is not None:
+            if gated:  # SwiGLU's second input projection, sharded like w1
                 plan[p + "mlp.w3"] = ColwiseParallel()
             plan[p + "mlp.w2"] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
         else:
