@@ -1,4 +1,4 @@
-"""Tiny random Hugging Face models (Llama with grouped-query attention, Qwen2 with q/k/v biases and a tied
+"""Tiny random Hugging Face models (Llama and Mistral with grouped-query attention, Qwen2 with q/k/v biases and a tied
 head, GPT-2) built with ``transformers`` and saved with ``save_pretrained``; shared by the HF tests."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 VOCAB = 128
-KINDS = ("llama", "qwen2", "gpt2")
+KINDS = ("llama", "mistral", "qwen2", "gpt2")
 
 
 def save_tiny(kind: str, out: Path, *, seed: int = 0) -> Path:
@@ -36,6 +36,8 @@ def save_tiny(kind: str, out: Path, *, seed: int = 0) -> Path:
         )
         if kind == "llama":
             model = tf.LlamaForCausalLM(tf.LlamaConfig(**sizes))
+        elif kind == "mistral":
+            model = tf.MistralForCausalLM(tf.MistralConfig(**sizes))
         else:
             model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**sizes, tie_word_embeddings=True))
     with torch.no_grad():  # non-trivial norms and biases, so a mapping that drops them shows
