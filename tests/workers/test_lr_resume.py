@@ -14,9 +14,8 @@ from workers.optim import build_scheduler
 
 
 def _spec(steps: int, schedule: str) -> RunSpec:
-    return RunSpec.model_validate(
-        {"train": {"steps": steps}, "optimizer": {"lr": 3e-4, "warmup_steps": 10, "schedule": schedule}}
-    )
+    return RunSpec.model_validate({"train": {"steps": steps},
+                                   "optimizer": {"lr": 3e-4, "warmup_steps": 10, "schedule": schedule}})
 
 
 def _lrs(spec: RunSpec, steps: int, state: dict | None = None) -> tuple[list[float], dict]:
@@ -37,12 +36,8 @@ def _lrs(spec: RunSpec, steps: int, state: dict | None = None) -> tuple[list[flo
 def test_longer_horizon_on_resume_has_no_lr_jump(schedule):
     old, k, new_total = _spec(120, schedule), 114, 160  # the issue: 114 steps of 120 done, resumed to 160
     before, state = _lrs(old, k)
-    resumed_spec = old.model_copy(
-        update={
-            "train": old.train.model_copy(update={"steps": new_total}),
-            "optimizer": _continued_schedule(old, k, new_total),
-        }
-    )
+    resumed_spec = old.model_copy(update={"train": old.train.model_copy(update={"steps": new_total}),
+                                          "optimizer": _continued_schedule(old, k, new_total)})
     after, _ = _lrs(resumed_spec, new_total - k, state)
     uninterrupted, _ = _lrs(old, k + 1)
     # the first resumed step uses exactly the LR the old schedule gave step k: continuous
@@ -52,14 +47,8 @@ def test_longer_horizon_on_resume_has_no_lr_jump(schedule):
     assert all(b <= a + 1e-18 for a, b in zip(steps, steps[1:]))
     biggest_drop = max(a - b for a, b in zip(steps, steps[1:]))
     assert biggest_drop < 0.05 * old.optimizer.lr  # no jump (the issue's was 2.15e-4 -> 7.26e-5 at lr 3e-4)
-    end = lr_factor(
-        new_total,
-        warmup_steps=10,
-        total_steps=new_total,
-        schedule=schedule,
-        min_lr_ratio=0.1,
-        anchor=(resumed_spec.optimizer.lr_anchor_step, resumed_spec.optimizer.lr_anchor_factor),
-    )
+    end = lr_factor(new_total, warmup_steps=10, total_steps=new_total, schedule=schedule, min_lr_ratio=0.1,
+                    anchor=(resumed_spec.optimizer.lr_anchor_step, resumed_spec.optimizer.lr_anchor_factor))
     assert end == pytest.approx(0.1)
 
 
