@@ -357,6 +357,25 @@ def checkpoints(
     out().print(t)
 
 
+@command(app, "export")
+def export(
+    ctx: typer.Context,
+    run_id: str = typer.Argument(..., metavar="RUN_ID"),
+    out_dir: str = typer.Option(..., "--out", help="Directory to write, on the service's filesystem."),
+    fmt: str = typer.Option("hf", "--format", help="hf: Hugging Face config.json + model.safetensors."),
+    step: Optional[int] = typer.Option(None, "--checkpoint", min=0, help="Step of the checkpoint (default: latest)."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Export a run's checkpoint (any layout) as a Hugging Face model that transformers loads."""
+    res = _state(ctx).client().runs.export(run_id, out=out_dir, format=fmt, checkpoint=step)
+    if as_json:
+        emit_json(res)
+        return
+    out().print(
+        f"exported step {res.step} of {run_id} ({res.n_params:,} parameters) to {res.out}: {', '.join(res.files)}"
+    )
+
+
 @command(app, "logs")
 def logs(
     ctx: typer.Context,

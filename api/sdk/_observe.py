@@ -1,5 +1,5 @@
 """``client.runs`` methods about where the time goes: the measured breakdown, profiles on demand and run
-artifacts (Chrome traces, stack dumps). Mixed into ``api.sdk.resources.Runs``."""
+artifacts (Chrome traces, stack dumps); exporting the weights. Mixed into ``api.sdk.resources.Runs``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from api.spec import ArtifactList, ArtifactPublic, ProfileAccepted, RunBreakdown
+from api.spec import ArtifactList, ArtifactPublic, ExportPublic, ProfileAccepted, RunBreakdown
 
 from ._base import tolerant_validate
 
@@ -48,3 +48,9 @@ class RunDiagnostics:
             out = out / Path(name).name
         out.write_bytes(data)
         return out
+
+    def export(self, run_id: str, *, out: str, format: str = "hf", checkpoint: int | None = None) -> ExportPublic:
+        """Write the run's checkpoint (``checkpoint``: its step; the latest by default), whatever layout saved it,
+        as a Hugging Face model (config.json + model.safetensors) into ``out`` on the service's filesystem."""
+        body = {"format": format, "out": out, "checkpoint": checkpoint}
+        return tolerant_validate(ExportPublic, self._client.request("POST", f"/v1/runs/{run_id}/export", json=body))

@@ -23,6 +23,7 @@ from api.spec._base import (
     NAME_RE,
 )
 from api.spec.errors import ErrorBody, ErrorDetail
+from api.spec.export import ExportPublic, ExportRequest
 from api.spec.layout import MESH_DIMS, LayoutError, ResolvedLayout, layout_label
 from api.spec.metrics import BREAKDOWN_PARTS, BREAKDOWN_TERMS, MeasuredStepTime, MetricList, MetricRow
 from api.spec.observe import (
@@ -111,6 +112,8 @@ __all__ = [
     "WebhookCreated",
     "WebhookList",
     "WebhookPublic",
+    "ExportPublic",
+    "ExportRequest",
     "ArtifactList",
     "ArtifactPublic",
     "BREAKDOWN_ROWS",

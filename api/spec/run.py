@@ -26,7 +26,18 @@ class ModelSpec(_Spec):
     """Which model to train. A built-in (``name`` + ``preset``, optionally overriding sizes) or user code
     (``entrypoint: "pkg.module:function"`` returning a ``torch.nn.Module``)."""
 
-    name: str = Field("gpt", description="Built-in model family: 'gpt' or 'mlp'; 'custom' with an entrypoint.")
+    name: str = Field(
+        "gpt",
+        description="Built-in model family: 'gpt' or 'mlp'; 'hf' with a path (a saved Hugging Face Llama, Mistral, "
+        "Qwen2 or GPT-2); 'custom' with an entrypoint.",
+    )
+    path: str | None = Field(
+        None,
+        min_length=1,
+        max_length=4096,
+        description="name 'hf': local directory with config.json and *.safetensors (read by the service and the "
+        "workers; no hub download).",
+    )
     preset: str | None = Field(
         "tiny",
         description="Preset of the family: gpt tiny, small, 125m, 350m, 1.3b, 2.7b, 7b, 13b, 70b or 175b; mlp tiny or "
@@ -56,6 +67,13 @@ class ModelSpec(_Spec):
     def _entrypoint_shape(cls, v: str | None) -> str | None:
         if v is not None and not ENTRYPOINT_RE.fullmatch(v):
             raise ValueError("entrypoint must look like 'package.module:function' (identifiers only)")
+        return v
+
+    @field_validator("path")
+    @classmethod
+    def _path_shape(cls, v: str | None) -> str | None:
+        if v is not None and (any(ord(c) < 32 or ord(c) == 127 for c in v) or "://" in v):
+            raise ValueError("model.path must be a local directory path without control characters")
         return v
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from api.spec._base import MAX_WORLD_SIZE
+from api.spec.hf import HFConfigError, hf_param_count, read_hf_config
 from api.spec.layout import ResolvedLayout
 from api.spec.plan import ModelConfig, Plan
 from api.spec.presets import PRESETS, gpt_param_count, mlp_param_count
@@ -65,6 +66,10 @@ def resolve_model(model: ModelSpec) -> ModelConfig:
     Raises SpecError for unknown families/presets or missing sizes. User models (entrypoint) resolve to the
     sizes the spec gives (their real count comes from building them on the meta device).
     """
+    if model.name == "hf" and model.entrypoint is None:
+        return _resolve_hf(model)
+    if model.path is not None:
+        raise SpecError([SpecIssue("model.path", "model.path is for model.name 'hf'; remove it or set name: hf")])
     if model.entrypoint is not None or model.name == "custom":
         if model.entrypoint is None:
             raise SpecError(
@@ -122,6 +127,28 @@ def resolve_model(model: ModelSpec) -> ModelConfig:
     )
 
 
+def _resolve_hf(model: ModelSpec) -> ModelConfig:
+    """A Hugging Face directory: every size from its config.json (the spec may only shorten seq_len)."""
+    if model.path is None:
+        raise SpecError([SpecIssue("model.path", "model.name 'hf' needs model.path: a directory with config.json")])
+    given = [k for k in ("n_layers", "d_model", "n_heads", "vocab_size", "d_ff") if getattr(model, k) is not None]
+    if given:
+        raise SpecError(
+            [SpecIssue(f"model.{given[0]}", f"model.{given[0]} comes from config.json for 'hf'; remove it")]
+        )
+    try:
+        fields = read_hf_config(model.path)
+    except HFConfigError as e:
+        raise SpecError([SpecIssue("model.path", str(e), "invalid_model")]) from None
+    sizes, args = fields["sizes"], fields["args"]
+    n_pos = int(args["n_positions"])
+    seq_len = model.seq_len or min(n_pos, 1024)
+    if args["arch"] == "gpt2" and seq_len > n_pos:
+        raise SpecError([SpecIssue("model.seq_len", f"seq_len={seq_len} exceeds the model's {n_pos} positions")])
+    n_params = hf_param_count(**sizes, args=args)
+    return ModelConfig(name="hf", seq_len=seq_len, n_params=n_params, args=args, **sizes)
+
+
 def check_spec(spec: RunSpec) -> SpecCheck:
     """All cross-field rules. Never raises; returns errors and warnings."""
     chk = SpecCheck()
@@ -142,7 +169,10 @@ def check_spec(spec: RunSpec) -> SpecCheck:
         )
 
     if not custom:
-        attention = cfg.name == "gpt"  # the MLP token model has no heads to split
+        attention = cfg.name in ("gpt", "hf")  # the MLP token model has no heads to split
+        kv_heads = int(cfg.args.get("n_kv_heads", cfg.n_heads))
+        if attention and kv_heads % lay.tp:
+            chk.error("layout.tp", f"tp={lay.tp} does not divide the model's {kv_heads} key/value heads; use a divisor")
         if attention and cfg.d_model % cfg.n_heads:
             chk.error(
                 "model.n_heads",

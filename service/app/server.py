@@ -36,7 +36,7 @@ from service.app.observability import configure_logging, instrument_app
 from service.app.overload import OverloadGate
 from service.app.ratelimit import RateLimiter
 from service.app.ray_origin import RayOriginMiddleware
-from service.app.routes import cluster, goodput, health, observe, plans, runs, sweeps, validate, webhooks
+from service.app.routes import cluster, export, goodput, health, observe, plans, runs, sweeps, validate, webhooks
 from service.control import service_record
 from service.control.runtime import Runtime
 from service.control.webhooks import WebhookDispatcher
@@ -56,6 +56,7 @@ PROTECTED_ROUTERS: tuple[APIRouter, ...] = (
     runs.router,
     goodput.router,
     observe.router,
+    export.router,  # POST /v1/runs/{id}/export
     plans.router,
     sweeps.router,
     cluster.router,

@@ -71,12 +71,15 @@ class Shape:
     @classmethod
     def of(cls, cfg: ModelConfig) -> Shape:
         L, h, a, V, s, f = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.vocab_size, cfg.seq_len, cfg.d_ff
+        rope = cfg.name == "hf" and cfg.args.get("arch") == "llama"  # a Hugging Face Llama: no position table
+        if rope:
+            f = f * 3 // 2  # SwiGLU's three h x f GEMMs priced as a GELU MLP of width 1.5 f
         if cfg.name == "mlp":
             block: float = 2 * h + h * f + f + f * h + h
             embed, head = V * h, V * h + 2 * h
         else:  # GPT shaped (custom models are priced as a GPT of their sizes)
             block = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
-            embed, head = V * h + s * h, V * h + 2 * h
+            embed, head = V * h + (0 if rope else s * h), V * h + 2 * h
             n = cfg.n_params or gpt_param_count(n_layers=L, d_model=h, vocab_size=V, seq_len=s, d_ff=f)
             if n != L * block + embed + head and n > embed + head:  # a user model with its own count
                 block = (n - embed - head) / L

@@ -66,6 +66,11 @@ def check_spec_policy(
         data_path = decide_path(
             data_path, param="data.path", settings=settings, restricted=restricted, walled_to=walled, tree=True
         )
+    model_path = spec.model.path
+    if model_path is not None:  # a Hugging Face directory (model: {name: hf}): read by the service and the workers
+        model_path = decide_path(
+            model_path, param="model.path", settings=settings, restricted=restricted, walled_to=walled, tree=True
+        )
     if storage is not None:
         storage = decide_path(
             storage, param="checkpoint.storage", settings=settings, restricted=restricted, walled_to=walled
@@ -88,10 +93,11 @@ def check_spec_policy(
         why = check_code_dir(spec, settings)
         if why:
             raise PolicyViolation(422, "invalid_path", why, "code.working_dir")
-    if (data_path, storage) == (spec.data.path, spec.checkpoint.storage):
+    if (data_path, storage, model_path) == (spec.data.path, spec.checkpoint.storage, spec.model.path):
         return spec
     return spec.model_copy(
         update={
+            "model": spec.model.model_copy(update={"path": model_path}),
             "data": spec.data.model_copy(update={"path": data_path}),
             "checkpoint": spec.checkpoint.model_copy(update={"storage": storage}),
         }

@@ -58,6 +58,13 @@ def _build_gpt(cfg: ModelConfig) -> nn.Module:
     )
 
 
+@register_model("hf")
+def _build_hf(cfg: ModelConfig) -> nn.Module:
+    from workers.models.hf import build_hf
+
+    return build_hf(cfg)
+
+
 @register_model("mlp")
 def _build_mlp(cfg: ModelConfig) -> nn.Module:
     return MLPModel(
@@ -163,13 +170,32 @@ def init_weights(model: nn.Module, *, seed: int = 0) -> None:
     other parameters of user models: N(0, 0.02) if 2-D+, else 0.
     """
     n_layers = getattr(model, "n_layers", 1)
-    for mname, module in model.named_modules():
-        for pname, p in module.named_parameters(recurse=False):
-            full_name = canonical_name(f"{mname}.{pname}" if mname else pname)
-            full = _full_init(module, pname, full_name, p.shape, seed=seed, n_layers=n_layers)
-            local = _local_slice(full, p)
-            target = p.to_local() if hasattr(p, "to_local") else p
-            target.copy_(local.to(dtype=target.dtype, device=target.device))
+    source = _pretrained_source(model)
+    try:
+        for mname, module in model.named_modules():
+            for pname, p in module.named_parameters(recurse=False):
+                full_name = canonical_name(f"{mname}.{pname}" if mname else pname)
+                if source is not None:
+                    full = source.full(full_name, p.shape)
+                else:
+                    full = _full_init(module, pname, full_name, p.shape, seed=seed, n_layers=n_layers)
+                local = _local_slice(full, p)
+                target = p.to_local() if hasattr(p, "to_local") else p
+                target.copy_(local.to(dtype=target.dtype, device=target.device))
+    finally:
+        if source is not None:
+            source.close()
+
+
+def _pretrained_source(model: nn.Module) -> Any:
+    """The Hugging Face weights a built-in GPT was built from (``model: {name: hf}``), or None: random init."""
+    gpt = next((m for m in model.modules() if isinstance(m, GPT)), None)
+    if gpt is None or gpt.pretrained is None:
+        return None
+    from workers.models.hf import HFSource
+
+    log.info("loading Hugging Face weights from %s", gpt.pretrained)
+    return HFSource(gpt.pretrained, gpt)
 
 
 def materialize(model: nn.Module, *, device: str | torch.device, seed: int = 0) -> nn.Module:

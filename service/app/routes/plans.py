@@ -38,6 +38,7 @@ from service.app.errors import error_responses
 from service.app.overload import queue_deadline, queue_timing
 from service.control.runtime import Runtime
 from service.errors import Unavailable
+from service.security.paths import decide_path
 from service.store.calibrations import calibration_for
 
 router = APIRouter(tags=["plans"])
@@ -148,6 +149,10 @@ async def create_plan(req: PlanRequest, request: Request, runtime: RuntimeDep, f
         raise SpecError(
             [SpecIssue(bad, f"{bad} is not valid Unicode (a lone surrogate); fix the text", "invalid_value")]
         )
+    if req.model.path is not None:  # a Hugging Face directory: the same path policy as a submission
+        settings = request.app.state.settings
+        path = decide_path(req.model.path, param="model.path", settings=settings, restricted=settings.auth_enabled)
+        req = req.model_copy(update={"model": req.model.model_copy(update={"path": path})})
     deadline = queue_deadline(request.scope)
     if deadline is None:
         deadline = anyio.current_time() + request.app.state.settings.request_queue_timeout_s
