@@ -123,7 +123,8 @@ def _plan(request: Request, body: dict[str, Any]) -> tuple[PlanRequest, PlanResp
     if not plans.limiter.try_acquire():
         raise ValueError(f"the planner is busy with {plans.limiter.slots} searches; try again in a second")
     try:
-        return req, plans._plan(req, request.app.state.runtime, request.app.state.session_factory)
+        app = request.app.state
+        return req, plans._plan(req, app.runtime, app.session_factory, app.settings.device_prices)
     finally:
         plans.limiter.release()
 
