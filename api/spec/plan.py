@@ -252,6 +252,7 @@ class ClusterSpec(_Spec):
         ge=0,
         le=1e6,
         allow_inf_nan=False,
+        strict=True,
         description="US dollars per device (GPU, or CPU worker slot) per hour; default: the service's "
         "MESHRUN_DEVICE_PRICES, else the planner's dated table for known devices, else no money figures.",
     )

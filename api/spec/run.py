@@ -308,6 +308,7 @@ class RunClusterSpec(_Spec):
         ge=0,
         le=1e6,
         allow_inf_nan=False,
+        strict=True,
         description="US dollars per device (GPU, or CPU worker) per hour, for the run's cost; default: the "
         "service's MESHRUN_DEVICE_PRICES or the planner's dated table for the cluster's device.",
     )
