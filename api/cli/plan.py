@@ -77,7 +77,7 @@ def plan_table(resp: Any, *, show_rejected: bool = False) -> Table:
     )
     costs = [c.cost for c in resp.candidates if c.cost is not None]
     priced = any(k.usd_per_step is not None for k in costs)
-    cost_cols = ("$/step", "$/1B tok") if priced else ("dev-h/step",)
+    cost_cols: tuple[str, ...] = ("$/step", "$/1B tok") if priced else ("dev-h/step",)
     if any(k.steps for k in costs):
         cost_cols += ("$ run",) if priced else ("dev-h run",)
     first = costs[0] if costs else None

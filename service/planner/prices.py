@@ -74,7 +74,7 @@ def candidate_cost(
     return CandidateCost(
         devices=devices,
         price_per_device_hour=price,
-        price_source=source,  # type: ignore[arg-type]
+        price_source=source,
         device_hours_per_step=dh_step,
         usd_per_step=dh_step * price if priced and price is not None else None,
         usd_per_billion_tokens=per_b * price if priced and price is not None and per_b is not None else None,

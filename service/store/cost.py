@@ -42,7 +42,7 @@ def cost_of(run: Run, attempts: list[RunAttempt], *, now: datetime | None = None
         attempts_wall_s=wall,
         device_hours=device_hours,
         price_per_device_hour=price,
-        price_source=source,  # type: ignore[arg-type]
+        price_source=source,
         usd=device_hours * price if price is not None else None,
     )
 
