@@ -160,3 +160,30 @@ def test_a_run_without_a_known_price_costs_device_hours_only(client) -> None:
         )
     cost = client.get(f"/v1/runs/{rid}").json()["cost"]
     assert cost["device_hours"] == pytest.approx(0.5) and cost["usd"] is None and cost["price_source"] == "none"
+
+
+def test_a_submission_is_priced_with_the_settings_and_its_run_costs_that(make_client) -> None:
+    from tests.sweeps.conftest import FakeRuntime, tiny_base
+
+    client = make_client(device_prices={"cpu": 0.5})
+    app = client.app
+    app.state.runtime = FakeRuntime(app.state.session_factory, app.state.settings)  # a 6-CPU "cluster"
+    r = client.post("/v1/runs", json=tiny_base(name="priced", layout={"dp": 2}, train={"steps": 40}))
+    assert r.status_code == 201, r.text
+    run = r.json()
+    pred = run["plan"]["predicted"]
+    assert pred["cost"]["price_per_device_hour"] == 0.5 and pred["cost"]["price_source"] == "settings"
+    assert pred["cost"]["usd_for_steps"] == pytest.approx(2 * pred["step_time_s"]["total"] / 3600 * 0.5 * 40)
+    with session_scope(app.state.session_factory) as s:
+        store.transition(s, run_id=run["id"], to="STARTING", reason="admitted")
+        store.transition(s, run_id=run["id"], to="RUNNING", reason="driver")
+        store.start_attempt(s, run_id=run["id"], cause="start")
+        store.end_run(s, run_id=run["id"], to="CANCELLED", reason="stop")
+        s.execute(
+            update(RunAttempt)
+            .where(RunAttempt.run_id == run["id"])
+            .values(started_at=T0, finished_at=T0 + timedelta(seconds=3600))
+        )
+    cost = client.get(f"/v1/runs/{run['id']}").json()["cost"]
+    assert cost["device_hours"] == pytest.approx(2.0) and cost["usd"] == pytest.approx(1.0)
+    assert cost["price_source"] == "settings"  # the price its prediction used at submission
