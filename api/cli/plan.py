@@ -78,6 +78,8 @@ def plan_table(resp: Any, *, show_rejected: bool = False) -> Table:
     costs = [c.cost for c in resp.candidates if c.cost is not None]
     priced = any(k.usd_per_step is not None for k in costs)
     cost_cols: tuple[str, ...] = ("$/step", "$/1B tok") if priced else ("dev-h/step",)
+    if len({k.devices for k in costs}) > 1:  # a cost ranking: parts of the cluster too
+        cost_cols = ("GPUs", *cost_cols)
     if any(k.steps for k in costs):
         cost_cols += ("$ run",) if priced else ("dev-h run",)
     first = costs[0] if costs else None
@@ -117,6 +119,7 @@ def plan_table(resp: Any, *, show_rejected: bool = False) -> Table:
 
 def _cost_cells(cost: Any, cols: tuple[str, ...]) -> list[str]:
     values = {
+        "GPUs": lambda k: str(k.devices),
         "$/step": lambda k: _usd(k.usd_per_step),
         "$/1B tok": lambda k: _usd(k.usd_per_billion_tokens),
         "$ run": lambda k: _usd(k.usd_for_steps),
