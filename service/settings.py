@@ -6,6 +6,7 @@ head that the service starts, owns and stops.
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
@@ -78,6 +79,12 @@ class Settings(BaseSettings):
     project_max_workers: dict[str, int] = Field(
         default_factory=dict,
         description='Per-project quota of workers at once, JSON: {"team-a": 8, "*": 16} ("*": every other project).',
+    )
+    device_prices: dict[str, float] = Field(
+        default_factory=dict,
+        description='MESHRUN_DEVICE_PRICES: US dollars per device-hour by device, JSON: {"H100": 2.5, "cpu": 0.05}; '
+        "replaces the planner's dated default table (service.planner.prices) for plans and runs that name no "
+        "cluster.price_per_device_hour.",
     )
     max_request_bytes: int = Field(1_048_576, ge=1024)
     rate_limit_per_minute: int = Field(1200, ge=0, description="Requests per token per minute; 0 disables.")
@@ -213,6 +220,14 @@ class Settings(BaseSettings):
                 h = host
             out.append(h.strip("[]"))
         return out
+
+    @field_validator("device_prices")
+    @classmethod
+    def _check_prices(cls, v: dict[str, float]) -> dict[str, float]:
+        for device, price in v.items():
+            if not math.isfinite(price) or not 0 <= price <= 1e6:
+                raise ValueError(f"device_prices[{device!r}] = {price}: use a finite price in [0, 1e6] US dollars/hour")
+        return v
 
     @field_validator("metrics_token")
     @classmethod

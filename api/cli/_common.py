@@ -242,6 +242,23 @@ def _rate(x: float | None) -> str:
     return f"{x / 1e3:.1f}k" if x >= 1e4 else f"{x:,.0f}"
 
 
+def _usd(x: float | None) -> str:
+    """US dollars: '$1,234', '$24.00', '$0.000315' (three significant figures below a cent); '-' when unknown."""
+    if x is None:
+        return "-"
+    if x >= 1000:
+        return f"${x:,.0f}"
+    return f"${x:.2f}" if x >= 0.01 or x == 0 else f"${x:.3g}"
+
+
+def cost_line(cost: Any) -> str:
+    """A run's cost: '$24.00 = 8.00 device-hours (4 devices x 2.0 h) at $3.00/device-hour (request)'."""
+    hours = f"{cost.device_hours:.2f} device-hours ({cost.devices} devices x {cost.attempts_wall_s / 3600:.2f} h)"
+    if cost.usd is None:
+        return f"{hours}; no price known (cluster.price_per_device_hour or MESHRUN_DEVICE_PRICES)"
+    return f"{_usd(cost.usd)} = {hours} at {_usd(cost.price_per_device_hour)}/device-hour ({cost.price_source})"
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 

@@ -19,6 +19,7 @@ from api.cli._common import (
     _rate,
     _state,
     _usage,
+    _usd,
     app,
     command,
     emit_json,
@@ -74,12 +75,27 @@ def plan_table(resp: Any, *, show_rejected: bool = False) -> Table:
         "breakdown: predicted share of the step (comp compute, tp/pp/dp communication, bubble pipeline idle, "
         "opt optimizer; dp counts only what the backward pass does not hide)\n" + _calibration_note(resp)
     )
-    for col in ("#", "layout", "mb", "ckpt", "GiB", "step s", "tokens/s", "MFU", "breakdown", "feasible"):
-        t.add_column(
-            col,
-            justify="right" if col in ("#", "mb", "GiB", "step s", "tokens/s", "MFU") else "left",
-            no_wrap=col in ("layout", "tokens/s"),
+    costs = [c.cost for c in resp.candidates if c.cost is not None]
+    priced = any(k.usd_per_step is not None for k in costs)
+    cost_cols: tuple[str, ...] = ("$/step", "$/1B tok") if priced else ("dev-h/step",)
+    if len({k.devices for k in costs}) > 1:  # a cost ranking: parts of the cluster too
+        cost_cols = ("GPUs", *cost_cols)
+    if any(k.steps for k in costs):
+        cost_cols += ("$ run",) if priced else ("dev-h run",)
+    first = costs[0] if costs else None
+    if first is not None:
+        t.caption += (
+            "\n"
+            + (
+                f"cost: {_usd(first.price_per_device_hour)} per device-hour ({first.price_source})"
+                if priced
+                else "cost: no price known for this device (give cluster.price_per_device_hour or --price)"
+            )
+            + (f"; run = {first.steps} steps" if first.steps else "")
         )
+    right = ("#", "mb", "GiB", "step s", "tokens/s", "MFU", *cost_cols)
+    for col in ("#", "layout", "mb", "ckpt", "GiB", "step s", "tokens/s", "MFU", *cost_cols, "breakdown", "feasible"):
+        t.add_column(col, justify="right" if col in right else "left", no_wrap=col in ("layout", "tokens/s"))
     if show_rejected:
         t.add_column("reason")
     rows = list(resp.candidates) + (list(resp.rejected) if show_rejected else [])
@@ -93,11 +109,24 @@ def plan_table(resp: Any, *, show_rejected: bool = False) -> Table:
             f"{c.step_time_s.total:.3f}",
             _rate(c.tokens_per_s),
             _pct(c.mfu),
+            *_cost_cells(c.cost, cost_cols),
             breakdown_str(c.step_time_s),
             "[green]yes[/]" if c.feasible else "[red]no[/]",
             *([_escape(c.reason or "")] if show_rejected else []),
         )
     return t
+
+
+def _cost_cells(cost: Any, cols: tuple[str, ...]) -> list[str]:
+    values = {
+        "GPUs": lambda k: str(k.devices),
+        "$/step": lambda k: _usd(k.usd_per_step),
+        "$/1B tok": lambda k: _usd(k.usd_per_billion_tokens),
+        "$ run": lambda k: _usd(k.usd_for_steps),
+        "dev-h/step": lambda k: f"{k.device_hours_per_step:.3g}",
+        "dev-h run": lambda k: "-" if k.device_hours_for_steps is None else f"{k.device_hours_for_steps:.3g}",
+    }
+    return [values[col](cost) if cost is not None else "-" for col in cols]
 
 
 @command(app, "plan")
@@ -117,13 +146,19 @@ def plan(
     micro_batch_size: Optional[int] = typer.Option(None, min=1),
     top_k: Optional[int] = typer.Option(None, "--top-k", min=1, help="How many candidates (default 10)."),
     show_rejected: bool = typer.Option(False, "--rejected", help="Also list layouts that do not fit."),
+    rank_by: Optional[str] = typer.Option(
+        None, "--rank-by", help="time (fastest on the whole cluster, default) | cost (cheapest per token, parts too)."
+    ),
+    price: Optional[float] = typer.Option(None, "--price", min=0, help="US dollars per device-hour."),
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="The run's steps: cost of all of them."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Predict memory, step time, tokens/s and MFU of layouts before running anything."""
     body: dict[str, Any] = {}
     if file is not None:
         data = _load_or_usage(file)
-        if "global_batch_size" in data or "cluster" in data:
+        run_cluster = {"price_per_device_hour"}  # a run spec's cluster section; a plan request's has the device
+        if "global_batch_size" in data or set(data.get("cluster") or {}) - run_cluster:
             body = data
         else:  # a run spec
             body = {
@@ -132,6 +167,10 @@ def plan(
             }
             if data.get("precision"):
                 body["precision"] = data["precision"]
+            if (data.get("train") or {}).get("steps"):
+                body["steps"] = data["train"]["steps"]
+            if (data.get("cluster") or {}).get("price_per_device_hour") is not None:
+                body["cluster"] = {"price_per_device_hour": data["cluster"]["price_per_device_hour"]}
             if keep_layout:
                 body["layout"] = data.get("layout", {})
                 if (data.get("batch") or {}).get("micro_batch_size"):
@@ -146,7 +185,12 @@ def plan(
             m["preset"] = preset
         body["model"] = m
     cluster = dict(body.get("cluster") or {})
-    for k, v in (("device", device), ("gpus_per_node", gpus_per_node), ("nodes", nodes)):
+    for k, v in (
+        ("device", device),
+        ("gpus_per_node", gpus_per_node),
+        ("nodes", nodes),
+        ("price_per_device_hour", price),
+    ):
         if v is not None:
             cluster[k] = v
     if cluster:
@@ -159,6 +203,8 @@ def plan(
         ("precision", precision),
         ("micro_batch_size", micro_batch_size),
         ("top_k", top_k),
+        ("rank_by", rank_by),
+        ("steps", steps),
     ):
         if v is not None:
             body[k] = v

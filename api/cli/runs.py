@@ -30,8 +30,10 @@ from api.cli._common import (
     _status,
     _ts,
     _usage,
+    _usd,
     app,
     command,
+    cost_line,
     emit_json,
     err,
     out,
@@ -260,6 +262,10 @@ def show(
         parts = [(k, getattr(st, k)) for k in ("compute", "tp_comm", "pp_comm", "pp_bubble", "dp_comm", "optimizer")]
         parts.append(("other", st.other))
         t.add_row("  step time", ", ".join(f"{k} {v:.3f}" for k, v in parts if v) + " s")
+        if p.cost is not None and p.cost.usd_for_steps is not None:
+            t.add_row("  cost", f"{_usd(p.cost.usd_for_steps)} for {p.cost.steps} steps ({p.cost.price_source} price)")
+    if run.cost is not None:
+        t.add_row("cost", cost_line(run.cost))
     for w in run.plan.warnings if run.plan else []:
         t.add_row("warning", f"[yellow]{_escape(w)}[/]")
     t.add_row("created", _ts(run.created_at))

@@ -69,7 +69,9 @@ def sweep(
     micro_batch_sizes: Optional[str] = typer.Option(None, help='Comma list, e.g. "1,2,4".'),
     max_trials: Optional[int] = typer.Option(None, min=1),
     steps_per_trial: Optional[int] = typer.Option(None, min=2),
-    objective: Optional[str] = typer.Option(None, help="tokens_per_s | mfu."),
+    objective: Optional[str] = typer.Option(
+        None, help="tokens_per_s | mfu | cost (tokens per device-second: the cheapest per token)."
+    ),
     name: Optional[str] = typer.Option(None),
     set_: list[str] = typer.Option([], "--set", help="Override a field of the sweep spec: key=value."),
     wait: bool = typer.Option(False, "--wait", "-w"),

@@ -492,11 +492,13 @@ class Plans(_Resource):
         layout: Layout | dict[str, Any] | str | None = None,
         micro_batch_size: int | None = None,
         activation_checkpointing: str | None = None,
+        steps: int | None = None,
+        rank_by: Literal["time", "cost"] | None = None,
     ) -> PlanResponse:
         """Ask the planner for the best layouts (or to score one ``layout``). Give a ``PlanRequest`` (model,
         dict, file) or the fields as keywords, e.g. ``model={"name": "gpt", "preset": "7b"},
-        cluster={"device": "H100", "gpus_per_node": 8, "nodes": 4}, global_batch_size=512``; keywords
-        override the request's fields."""
+        cluster={"device": "H100", "gpus_per_node": 8, "nodes": 4, "price_per_device_hour": 2.5},
+        global_batch_size=512, steps=10_000, rank_by="cost"``; keywords override the request's fields."""
         body: dict[str, Any] = to_body(request) if request is not None else {}
         if isinstance(layout, str):
             layout = parse_layout(layout)
@@ -510,6 +512,8 @@ class Plans(_Resource):
             ("layout", layout),
             ("micro_batch_size", micro_batch_size),
             ("activation_checkpointing", activation_checkpointing),
+            ("steps", steps),
+            ("rank_by", rank_by),
         ):
             if value is not None:
                 body[key] = to_body(value) if isinstance(value, BaseModel) else value

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field, computed_field, model_validator
 
-from api.spec._base import MAX_BATCH, MAX_SEQ_LEN, _Public, _Spec
+from api.spec._base import MAX_BATCH, MAX_SEQ_LEN, MAX_STEPS, _Public, _Spec
 from api.spec.layout import MESH_DIMS, ResolvedLayout
 from api.spec.run import Layout, ModelSpec
 
@@ -58,6 +58,26 @@ class StepTimeBreakdown(_Public):
     dp_comm_total: float = 0.0
 
 
+PriceSource = Literal["request", "settings", "default", "none"]
+
+
+class CandidateCost(_Public):
+    """What a layout costs: device-hours (devices x predicted time) always; US dollars where a price per
+    device-hour is known (``price_source``: the request's ``cluster.price_per_device_hour``, the service's
+    ``MESHRUN_DEVICE_PRICES``, the planner's dated default table ``service.planner.prices``, or ``none``, when every
+    ``usd_*`` is null, not 0). ``*_for_steps`` need the run's step count (``steps``)."""
+
+    devices: int
+    price_per_device_hour: float | None = None
+    price_source: PriceSource = "none"
+    device_hours_per_step: float = 0.0
+    usd_per_step: float | None = None
+    usd_per_billion_tokens: float | None = None
+    steps: int | None = None
+    device_hours_for_steps: float | None = None
+    usd_for_steps: float | None = None
+
+
 class Candidate(_Public):
     """One scored layout (a planner answer)."""
 
@@ -70,6 +90,7 @@ class Candidate(_Public):
     mfu: float
     feasible: bool
     reason: str = ""
+    cost: CandidateCost | None = None
 
 
 class Plan(_Public):
@@ -226,6 +247,15 @@ class ClusterSpec(_Spec):
         strict=True,
         description="Achieved fraction of peak of flash attention's forward (head dim 128, long s).",
     )
+    price_per_device_hour: float | None = Field(
+        None,
+        ge=0,
+        le=1e6,
+        allow_inf_nan=False,
+        strict=True,
+        description="US dollars per device (GPU, or CPU worker slot) per hour; default: the service's "
+        "MESHRUN_DEVICE_PRICES, else the planner's dated table for known devices, else no money figures.",
+    )
 
 
 class PlanRequest(_Spec):
@@ -238,6 +268,12 @@ class PlanRequest(_Spec):
     layout: Layout | None = None
     micro_batch_size: int | None = Field(None, ge=1, le=MAX_BATCH)
     activation_checkpointing: Literal["none", "selective", "full"] | None = None
+    steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="The run's optimizer steps: costs for all of them.")
+    rank_by: Literal["time", "cost"] = Field(
+        "time",
+        description="time: the fastest layouts on all of the cluster; cost: the cheapest per token, also on parts "
+        "of it (whole nodes in powers of two, or powers of two inside one node), which may be slower.",
+    )
 
 
 class PlanCalibration(_Public):

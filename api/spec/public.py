@@ -8,7 +8,7 @@ from enum import Enum
 from pydantic import Field
 
 from api.spec._base import _Public
-from api.spec.plan import Plan
+from api.spec.plan import Plan, PriceSource
 from api.spec.run import RunSpec
 
 
@@ -39,6 +39,20 @@ class RunSummary(_Public):
     wall_time_s: float | None = None
 
 
+class RunCost(_Public):
+    """What a run has cost so far: its devices (the plan's world size) x the wall time of its attempts (each from
+    its start to its end, or to now while it runs), and in US dollars where a price is known (``price_source``:
+    the spec's ``cluster.price_per_device_hour`` (``request``), else the price resolved when it was submitted
+    (``settings`` or ``default``), else ``none`` and ``usd`` null)."""
+
+    devices: int
+    attempts_wall_s: float = 0.0
+    device_hours: float = 0.0
+    price_per_device_hour: float | None = None
+    price_source: PriceSource = "none"
+    usd: float | None = None
+
+
 class RunPublic(_Public):
     id: str
     name: str
@@ -54,6 +68,7 @@ class RunPublic(_Public):
     dashboard_url: str | None = None
     rank_nodes: dict[str, str] | None = Field(None, description="world rank -> Ray node id")
     summary: RunSummary | None = None
+    cost: RunCost | None = Field(None, description="Device-hours (and US dollars) its attempts took; single reads.")
     created_at: datetime
     updated_at: datetime
     started_at: datetime | None = None

@@ -318,6 +318,20 @@ class ElasticSpec(_Spec):
         return v
 
 
+class RunClusterSpec(_Spec):
+    """What the run's cluster costs (the planner's ``ClusterSpec`` describes the rest of it)."""
+
+    price_per_device_hour: float | None = Field(
+        None,
+        ge=0,
+        le=1e6,
+        allow_inf_nan=False,
+        strict=True,
+        description="US dollars per device (GPU, or CPU worker) per hour, for the run's cost; default: the "
+        "service's MESHRUN_DEVICE_PRICES or the planner's dated table for the cluster's device.",
+    )
+
+
 class RunSpec(_Spec):
     """A training run as the user asks for it."""
 
@@ -341,6 +355,7 @@ class RunSpec(_Spec):
     profile: ProfileSpec | None = Field(None, description="Profile a window of steps on every rank; null = off.")
     faults: FaultsSpec | None = Field(None, description="Injected faults for chaos tests; null = none.")
     elastic: ElasticSpec | None = Field(None, description="Re-plan within dp bounds after node loss; null = off.")
+    cluster: RunClusterSpec = Field(default_factory=RunClusterSpec)
     skip_memory_check: bool = Field(False, description="Submit even if the planner predicts it will not fit.")
     labels: dict[str, str] = Field(default_factory=dict)
     code: CodeSpec | None = Field(

@@ -32,7 +32,11 @@ class SweepCreate(_Spec):
     name: str = "sweep"
     base: RunSpec
     search: SweepSearch = Field(default_factory=SweepSearch)
-    objective: Literal["tokens_per_s", "mfu"] = "tokens_per_s"
+    objective: Literal["tokens_per_s", "mfu", "cost"] = Field(
+        "tokens_per_s",
+        description="What the sweep maximises: tokens/s (time), MFU, or cost: tokens per device-second, the lowest "
+        "cost per token at one price per device-hour (with layouts 'auto', smaller worlds compete too).",
+    )
     budget: SweepBudget = Field(default_factory=SweepBudget)
     early_stopping: bool = True
 

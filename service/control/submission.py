@@ -57,21 +57,24 @@ def _describe_candidate(c: Candidate) -> str:
 
 
 def predict(
-    session: Session, spec: RunSpec, plan: Plan, runtime: Runtime | None
+    session: Session, spec: RunSpec, plan: Plan, runtime: Runtime | None, prices: dict[str, float] | None = None
 ) -> tuple[Candidate | None, ClusterSpec | None, Factors | None]:
     """The planner's prediction for this plan on the runtime's cluster, with the cluster and the calibrated factors
-    the prediction used (None without a runtime or a cluster)."""
+    the prediction used (None without a runtime or a cluster). Its cost is priced with the spec's price, else
+    ``prices`` (the settings' ``device_prices``) or the default table for the cluster's device."""
     cluster = runtime.planning_cluster() if runtime is not None else None
     if cluster is None:
         return None, None, None
     factors = latest_factors(session, cluster_key(cluster))  # fitted by a sweep on this cluster, or the defaults
-    return predict_run(spec, plan, cluster, factors=factors), cluster, factors
+    return predict_run(spec, plan, cluster, factors=factors, prices=prices), cluster, factors
 
 
-def check_fits(session: Session, spec: RunSpec, plan: Plan, runtime: Runtime | None) -> Plan:
+def check_fits(
+    session: Session, spec: RunSpec, plan: Plan, runtime: Runtime | None, prices: dict[str, float] | None = None
+) -> Plan:
     """Attach the prediction; refuse layouts predicted not to fit (unless skip_memory_check) or that can never
     be placed on the cluster."""
-    cand, cluster, factors = predict(session, spec, plan, runtime)
+    cand, cluster, factors = predict(session, spec, plan, runtime, prices)
     if cand is not None:
         plan = plan.model_copy(update={"predicted": cand})
         if not cand.feasible and not spec.skip_memory_check:
@@ -113,7 +116,7 @@ def validate_run(
 ) -> tuple[Plan, list[str], list[str]]:
     """``submit_run``'s checks, nothing stored: (the plan with its prediction, the checks run, those not run)."""
     spec = check_spec_policy(spec, can_run_code=can_run_code, settings=settings, admin=admin)
-    plan = check_fits(session, spec, build_plan(spec), runtime)
+    plan = check_fits(session, spec, build_plan(spec), runtime, settings.device_prices)
     checked = ["spec", "policy (permissions, paths, user code)"]
     if runtime is None:
         why = "this service runs no Ray runtime (--no-scheduler)"
@@ -144,7 +147,7 @@ def submit_run(
         existing = store.find_by_idempotency_key(session, model=Run, project=project, key=idempotency_key)
         if existing is not None:
             return _same_request(existing, spec_json, idempotency_key), False
-    plan = check_fits(session, spec, build_plan(spec), runtime)
+    plan = check_fits(session, spec, build_plan(spec), runtime, settings.device_prices)
     run, created = store.create_run(
         session,
         spec=spec_json,
@@ -239,7 +242,7 @@ def resume_run(
         update["train"] = spec.train.model_copy(update={"steps": request.steps})
     new_spec = RunSpec.model_validate(spec.model_copy(update=update).model_dump())
     check_spec_policy(new_spec, can_run_code=can_run_code, settings=settings, admin=admin, project=run.project)
-    check_fits(session, new_spec, build_plan(new_spec), runtime)  # 422 before anything changes
+    check_fits(session, new_spec, build_plan(new_spec), runtime, settings.device_prices)  # 422 before anything changes
     if not request.fresh and store.latest_checkpoint(session, run_id=run_id) is None:
         done = run.summary.get("steps_done") if isinstance(run.summary, dict) else None
         lost = f" (its {done} finished steps would be lost)" if done else ""

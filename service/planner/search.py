@@ -10,9 +10,10 @@ seconds of CPU. Worlds over ``api.spec.MAX_WORLD_SIZE`` GPUs are refused the sam
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from api.spec import (
     MAX_WORLD_SIZE,
@@ -34,6 +35,7 @@ from api.spec.validation import SpecError, SpecIssue, check_spec, resolve_model
 from service.planner.core import Ctx, Mem, Time, candidate, make_ctx, memory, oom_reason, step_time
 from service.planner.devices import device_figures
 from service.planner.factors import Factors
+from service.planner.prices import resolve_price, with_cost
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +133,17 @@ def search_size(world: int, gpus_per_node: int, n_layers: int, *, micro_batches:
     return n * micro_batches * recomputes
 
 
-def check_search_size(req: PlanRequest, world: int, n_layers: int, micro_batches: int, recomputes: int) -> None:
-    """Refuse (SpecError, the API's 422) worlds over MAX_WORLD_SIZE and search spaces over MAX_SEARCH."""
+def check_search_size(
+    req: PlanRequest,
+    world: int,
+    n_layers: int,
+    micro_batches: int,
+    recomputes: int,
+    *,
+    parts: list[tuple[int, int]] | None = None,
+) -> None:
+    """Refuse (SpecError, the API's 422) worlds over MAX_WORLD_SIZE and search spaces over MAX_SEARCH (summed over
+    ``parts``, the (world, GPUs per node) pairs a cost ranking searches, when given)."""
     cl = req.cluster
     if world > MAX_WORLD_SIZE:
         most = max(1, MAX_WORLD_SIZE // cl.gpus_per_node)
@@ -147,7 +158,10 @@ def check_search_size(req: PlanRequest, world: int, n_layers: int, micro_batches
                 )
             ]
         )
-    n = search_size(world, cl.gpus_per_node, n_layers, micro_batches=micro_batches, recomputes=recomputes)
+    n = sum(
+        search_size(w, per_node, n_layers, micro_batches=micro_batches, recomputes=recomputes)
+        for w, per_node in (parts or [(world, cl.gpus_per_node)])
+    )
     if n <= MAX_SEARCH:
         return
     if req.micro_batch_size is None:
@@ -228,6 +242,7 @@ class _Rejects:
 
 
 Scored = tuple[float, float, ResolvedLayout, int, str, Mem, Time]
+Priced = Callable[[Candidate], Candidate]  # a candidate -> the same with its cost
 
 
 def _search(
@@ -303,8 +318,9 @@ def _response(
     top_k: int,
     t0: float,
     calibration: PlanCalibration | None,
+    priced: Priced,
 ) -> PlanResponse:
-    cands = [candidate(c, lay, mb, rec, mem, tm) for _, _, lay, mb, rec, mem, tm in feasible[:top_k]]
+    cands = [priced(candidate(c, lay, mb, rec, mem, tm)) for _, _, lay, mb, rec, mem, tm in feasible[:top_k]]
     return PlanResponse(
         model=cfg,
         cluster=cluster_info(c, cluster),
@@ -355,9 +371,18 @@ def evaluate(
     return candidate(c, lay, micro_batch_size, activation_checkpointing, mem, tm)
 
 
-def predict_run(spec: RunSpec, plan: Plan, cluster: ClusterSpec, *, factors: Factors | None = None) -> Candidate:
-    """The prediction stored with a submitted run (``Plan.predicted``); the plan is already validated."""
-    return evaluate(
+def predict_run(
+    spec: RunSpec,
+    plan: Plan,
+    cluster: ClusterSpec,
+    *,
+    factors: Factors | None = None,
+    prices: Mapping[str, float] | None = None,
+) -> Candidate:
+    """The prediction stored with a submitted run (``Plan.predicted``); the plan is already validated. Its
+    ``cost`` is priced with the spec's ``cluster.price_per_device_hour``, else ``prices`` (the service's settings)
+    or the default table for the cluster's device, for the spec's ``train.steps``."""
+    cand = evaluate(
         plan.model,
         cluster,
         layout=plan.layout,
@@ -368,6 +393,8 @@ def predict_run(spec: RunSpec, plan: Plan, cluster: ClusterSpec, *, factors: Fac
         factors=factors,
         validate=False,
     )
+    price, source = resolve_price(cluster.device, spec.cluster.price_per_device_hour, prices)
+    return with_cost(cand, tokens_per_step=plan.tokens_per_step, price=price, source=source, steps=spec.train.steps)
 
 
 def _request_model(req: PlanRequest) -> tuple[ModelSpec, ModelConfig]:
@@ -376,7 +403,11 @@ def _request_model(req: PlanRequest) -> tuple[ModelSpec, ModelConfig]:
 
 
 def search(
-    req: PlanRequest, *, factors: Factors | None = None, calibration: PlanCalibration | None = None
+    req: PlanRequest,
+    *,
+    factors: Factors | None = None,
+    calibration: PlanCalibration | None = None,
+    prices: Mapping[str, float] | None = None,
 ) -> PlanResponse:
     """Rank layouts for a model on a cluster (world = nodes x gpus_per_node, all of it used).
 
@@ -385,19 +416,34 @@ def search(
     ``evaluated`` counts every combination considered. ``req.micro_batch_size`` and
     ``req.activation_checkpointing`` pin those choices. A search space over ``MAX_SEARCH`` choices (or a world
     over ``MAX_WORLD_SIZE``) is refused with a ``SpecError`` naming the field to pin, before anything is scored.
+    ``req.rank_by == "cost"``: the same on every part of the cluster ``cost_parts`` names too, cheapest per
+    token first (then fastest).
 
     With ``req.layout``: scores that layout (raises ``SpecError`` if the model cannot run it) with the best
     micro-batch / checkpointing choice unless pinned; ``candidates`` holds that one answer, feasible or not.
-    ``calibration`` (where ``factors`` came from) is passed through to the response.
+    ``calibration`` (where ``factors`` came from) is passed through to the response. Every feasible candidate
+    carries its ``cost``, priced by ``service.planner.prices.resolve_price`` (``prices``: the service's settings).
     """
     t0 = time.perf_counter()
     model_spec, cfg = _request_model(req)
     cluster = req.cluster
+    price, source = resolve_price(cluster.device, cluster.price_per_device_hour, prices)
+    priced: Priced = functools.partial(
+        with_cost, tokens_per_step=req.global_batch_size * cfg.seq_len, price=price, source=source, steps=req.steps
+    )
     mbs = [req.micro_batch_size] if req.micro_batch_size else list(MICRO_BATCH_SIZES)
     recs: list[str] = [req.activation_checkpointing] if req.activation_checkpointing else list(RECOMPUTE_ORDER)
+    parts = cost_parts(cluster) if req.layout is None and req.rank_by == "cost" else None
     if req.layout is None:
         world = cluster.nodes * cluster.gpus_per_node
-        check_search_size(req, world, cfg.n_layers, len(mbs), len(recs))
+        check_search_size(
+            req,
+            world,
+            cfg.n_layers,
+            len(mbs),
+            len(recs),
+            parts=[(p.nodes * p.gpus_per_node, p.gpus_per_node) for p in parts or []] or None,
+        )
     else:
         world = req.layout.world_size
     c = make_ctx(
@@ -407,7 +453,21 @@ def search(
         feasible, rejects, evaluated = _search(c, model_spec, micro_batch_sizes=mbs, recomputes=recs)
         if not feasible:
             log.info("no feasible layout for %s on %d x %s", cfg.name, world, c.dev.name)
-        return _response(c, cfg, cluster, feasible, rejects, evaluated, req.top_k, t0, calibration)
+        if parts is None:
+            return _response(c, cfg, cluster, feasible, rejects, evaluated, req.top_k, t0, calibration, priced)
+        rows = [(c, row) for row in feasible]
+        for part in parts:
+            if part.nodes * part.gpus_per_node != world:
+                cp = make_ctx(cfg, part, world=part.nodes * part.gpus_per_node, global_batch_size=req.global_batch_size,
+                              precision=req.precision, factors=factors)  # fmt: skip
+                found, _, n = _search(cp, model_spec, micro_batch_sizes=mbs, recomputes=recs)
+                rows += [(cp, row) for row in found]
+                evaluated += n
+        # cheapest per token first: devices x step time (the global batch, so the tokens per step, is the same)
+        rows.sort(key=lambda r: (r[0].world * r[1][6].total, r[1][6].total))
+        cands = [priced(candidate(cp, lay, mb, rec, mem, tm)) for cp, (*_, lay, mb, rec, mem, tm) in rows[: req.top_k]]
+        resp = _response(c, cfg, cluster, [], rejects, evaluated, req.top_k, t0, calibration, priced)
+        return resp.model_copy(update={"candidates": cands, "elapsed_s": time.perf_counter() - t0})
 
     val = _Validator(model_spec, global_batch_size=req.global_batch_size, precision=req.precision)
     valid = [mb for mb in mbs if not val.issues(req.layout, mb)]
@@ -416,7 +476,7 @@ def search(
     lay = ResolvedLayout.of(req.layout)  # valid (check_spec passed): it resolves
     feasible, rejects, evaluated = _search(c, model_spec, micro_batch_sizes=valid, recomputes=recs, lays=[lay])
     if feasible:
-        return _response(c, cfg, cluster, feasible, _Rejects(), evaluated, 1, t0, calibration)
+        return _response(c, cfg, cluster, feasible, _Rejects(), evaluated, 1, t0, calibration, priced)
     # nothing fits: answer with the leanest try, infeasible, saying by how much it overflows
     rec = recs[-1]
     mb = min(valid)
@@ -429,6 +489,20 @@ def search(
         elapsed_s=time.perf_counter() - t0,
         calibration=calibration or PlanCalibration(),
     )
+
+
+def cost_parts(cluster: ClusterSpec) -> list[ClusterSpec]:
+    """The parts of a cluster a cost ranking searches: powers of two of GPUs inside one node, powers of two of
+    whole nodes, and all of it (a smaller part is often cheaper per token: less communication, no idle bubble)."""
+    per_node, nodes = cluster.gpus_per_node, cluster.nodes
+    inside = [g for g in _powers_of_two(per_node) if g < per_node] if nodes >= 1 else []
+    parts = [cluster.model_copy(update={"nodes": 1, "gpus_per_node": g}) for g in inside]
+    parts += [cluster.model_copy(update={"nodes": n}) for n in sorted(set(_powers_of_two(nodes)) | {nodes})]
+    return parts
+
+
+def _powers_of_two(n: int) -> list[int]:
+    return [1 << i for i in range(n.bit_length()) if 1 << i <= n]
 
 
 def best_alternative(spec: RunSpec, cluster: ClusterSpec, *, factors: Factors | None = None) -> Candidate | None:

@@ -2,7 +2,8 @@
 
 A sweep (``api.spec.SweepCreate``) is a base run spec, a search space (explicit layouts x micro-batch sizes, or
 ``auto``: the planner's top feasible candidates for the live cluster; ``add_auto``: both, the listed ones first),
-an objective (``tokens_per_s`` | ``mfu``)
+an objective (``tokens_per_s`` | ``mfu`` | ``cost``: tokens per device-second, so that with ``auto`` a smaller world
+that is cheaper per token can win)
 and a budget. ``create_sweep`` expands it into trials, each checked like a submitted run:
 
 - ``api.spec.validation.check_spec`` errors -> trial SKIPPED with ``"<param>: <message>"``;
@@ -43,6 +44,7 @@ from service.settings import Settings
 from service.store.calibrations import cluster_key, latest_factors
 from service.store.models import Sweep, SweepEvent
 from service.sweeps.host import SweepHost
+from service.sweeps.measurement import objective_value
 from service.sweeps.state import SweepStatus, TrialStatus, add_trial, new_sweep_id
 
 log = logging.getLogger(__name__)
@@ -64,7 +66,11 @@ class TrialDraft:
     def predicted_objective(self, objective: str) -> float | None:
         if self.predicted is None:
             return None
-        return self.predicted.mfu if objective == "mfu" else self.predicted.tokens_per_s
+        return _predicted_value(self.predicted, objective)
+
+
+def _predicted_value(c: Candidate, objective: str) -> float | None:
+    return objective_value(objective, tokens_per_s=c.tokens_per_s, mfu=c.mfu, devices=c.layout.world_size)
 
 
 def trial_spec(
@@ -141,8 +147,7 @@ def auto_candidates(create: SweepCreate, cluster: ClusterSpec, *, factors: Facto
             for cand in search(req, factors=factors).candidates:
                 if cand.feasible:
                     found.setdefault(_layout_key(cand.layout, cand.micro_batch_size), cand)
-    key = (lambda c: c.mfu) if create.objective == "mfu" else (lambda c: c.tokens_per_s)
-    return sorted(found.values(), key=key, reverse=True)
+    return sorted(found.values(), key=lambda c: _predicted_value(c, create.objective) or 0.0, reverse=True)
 
 
 def _issue_text(issues: Sequence[SpecIssue]) -> str:

@@ -26,6 +26,16 @@ from service.sweeps.state import TrialStatus
 log = logging.getLogger(__name__)
 
 
+def objective_value(objective: str, *, tokens_per_s: float | None, mfu: float | None, devices: int) -> float | None:
+    """The value a sweep maximises: ``mfu``; ``cost``: tokens per device-second (the cheapest per token at one price
+    per device-hour); else (``tokens_per_s``) tokens/s."""
+    if objective == "mfu":
+        return mfu
+    if objective == "cost":
+        return tokens_per_s / max(1, devices) if tokens_per_s is not None else None
+    return tokens_per_s
+
+
 @dataclass
 class Measurement:
     steps_done: int = 0
@@ -33,16 +43,18 @@ class Measurement:
     tokens_per_s: float | None = None
     mfu: float | None = None
     peak_memory_bytes: int | None = None
+    devices: int = 1  # the trial's world size (objective ``cost``)
 
     def objective(self, objective: str) -> float | None:
-        return self.mfu if objective == "mfu" else self.tokens_per_s
+        return objective_value(objective, tokens_per_s=self.tokens_per_s, mfu=self.mfu, devices=self.devices)
 
 
-def measure_run(session: Session, *, run_id: str, warmup_steps: int) -> Measurement:
-    """Means of tokens/s and MFU over the steps after ``warmup_steps``; peak memory over all steps."""
+def measure_run(session: Session, *, run_id: str, warmup_steps: int, devices: int = 1) -> Measurement:
+    """Means of tokens/s and MFU over the steps after ``warmup_steps``; peak memory over all steps. ``devices``:
+    the run's world size."""
     rows = store.list_metrics(session, run_id=run_id)
     if not rows:
-        return Measurement()
+        return Measurement(devices=devices)
     steady = [r for r in rows if r.step > warmup_steps]
     tps = [r.tokens_per_s for r in steady if r.tokens_per_s is not None]
     mfu = [r.mfu for r in steady if r.mfu is not None]
@@ -53,6 +65,7 @@ def measure_run(session: Session, *, run_id: str, warmup_steps: int) -> Measurem
         tokens_per_s=sum(tps) / len(tps) if tps else None,
         mfu=sum(mfu) / len(mfu) if mfu else None,
         peak_memory_bytes=peak,
+        devices=devices,
     )
 
 
@@ -64,14 +77,24 @@ def record_measurement(trial: Trial, m: Measurement) -> None:
 
 def measure_trial(session: Session, trial: Trial, *, warmup_steps: int) -> Measurement:
     """Measure the trial's run (if it has one) and record it on the trial."""
-    m = measure_run(session, run_id=trial.run_id, warmup_steps=warmup_steps) if trial.run_id else Measurement()
+    devices = Layout.model_validate(trial.layout).world_size
+    m = (
+        measure_run(session, run_id=trial.run_id, warmup_steps=warmup_steps, devices=devices)
+        if trial.run_id
+        else Measurement(devices=devices)
+    )
     if trial.run_id:
         record_measurement(trial, m)
     return m
 
 
 def objective_of(trial: Trial, objective: str) -> float | None:
-    return trial.measured_mfu if objective == "mfu" else trial.measured_tokens_per_s
+    return objective_value(
+        objective,
+        tokens_per_s=trial.measured_tokens_per_s,
+        mfu=trial.measured_mfu,
+        devices=Layout.model_validate(trial.layout).world_size if objective == "cost" else 1,
+    )
 
 
 def best_trial(trials: Sequence[Trial], objective: str) -> Trial | None:

@@ -150,7 +150,7 @@ def observe_trial(factory: sessionmaker[Session], tr: TrialRun) -> tuple[RunStat
         t = get_trial(s, trial_id=tr.trial_id)
         if t is not None and t.status == TrialStatus.RUNNING:
             return status, measure_trial(s, t, warmup_steps=tr.warmup_steps)
-        return status, measure_run(s, run_id=tr.run_id, warmup_steps=tr.warmup_steps)
+        return status, measure_run(s, run_id=tr.run_id, warmup_steps=tr.warmup_steps, devices=tr.plan.world_size)
 
 
 def early_stop_reason(factory: sessionmaker[Session], trial_id: int) -> str:

@@ -128,3 +128,16 @@ def test_plan_form_answers_with_ranked_layouts_and_errors(client):
     bad = client.post("/ui/plan", content="preset=nope&device=H100&gpus_per_node=8&nodes=1&global_batch_size=8",
                       headers=FORM)
     assert bad.status_code == 200 and "cannot answer" in bad.text and "nope" in bad.text
+
+
+def test_plan_form_shows_cost_per_candidate_and_ranks_by_cost(client):
+    form = "preset=125m&device=H100&gpus_per_node=8&nodes=1&global_batch_size=64&top_k=3&price=2"
+    r = client.post("/ui/plan", content=form, headers=FORM)
+    assert r.status_code == 200 and "Cost / 1B tokens" in r.text
+    cells = re.findall(r"<td class=\"num mono\" data-cost>(.*?)</td>", r.text, re.S)
+    assert len(cells) == 3 and all("8 × $2.00/h" in c for c in cells)
+    cheap = client.post("/ui/plan", content=form + "&rank_by=cost", headers=FORM)
+    assert cheap.status_code == 200 and "cheapest layouts" in cheap.text
+    assert "8 × $2.00/h" not in cheap.text.split("data-cost>", 2)[1].split("</td>", 1)[0]  # fewer GPUs first
+    bad = client.post("/ui/plan", content=form.replace("price=2", "price=-1"), headers=FORM)
+    assert "cannot answer" in bad.text and "price_per_device_hour" in bad.text

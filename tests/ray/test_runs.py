@@ -55,6 +55,10 @@ def test_dp2_run_succeeds_with_every_step_and_ray_job(live_service, reference_dp
     assert s["wall_time_s"] > 0 and s["mean_tokens_per_s"] > 0 and s["mean_mfu"] > 0
     assert set(s["peak_memory_bytes_per_rank"]) == {"0", "1"}
     assert done["attempts"] == 1
+    cost = done["cost"]  # its 2 workers x its attempt's wall time; no price is known for a CPU cluster
+    assert cost["devices"] == 2 and cost["attempts_wall_s"] > 0
+    assert cost["device_hours"] == pytest.approx(2 * cost["attempts_wall_s"] / 3600)
+    assert cost["price_source"] == "none" and cost["usd"] is None
     assert done["rank_nodes"] and set(done["rank_nodes"]) == {"0", "1"}
     assert done["ray_job_id"].startswith(f"meshrun-{run_id}-")
     assert done["dashboard_url"] and done["ray_job_id"] in done["dashboard_url"]

@@ -236,6 +236,17 @@ def test_plans_create_keywords_and_file(client):
     assert ei.value.param and ei.value.param.startswith("layout")
 
 
+def test_plans_create_prices_and_ranks_by_cost(client):
+    kw = dict(model={"name": "gpt", "preset": "125m"}, global_batch_size=64, micro_batch_size=4, top_k=2, steps=100,
+              cluster={"device": "H100", "gpus_per_node": 8, "price_per_device_hour": 2.0})
+    fast, cheap = client.plans.create(**kw), client.plans.create(**kw, rank_by="cost")
+    assert fast.candidates[0].cost.devices == 8 and fast.candidates[0].cost.price_source == "request"
+    assert cheap.candidates[0].cost.usd_for_steps < fast.candidates[0].cost.usd_for_steps
+    with pytest.raises(sdk.ValidationError) as ei:
+        client.plans.create(**{**kw, "cluster": {"device": "H100", "price_per_device_hour": -1}})
+    assert ei.value.param == "cluster.price_per_device_hour"
+
+
 # ------------------------------------------------------------------------------------ YAML 1.2 numbers
 def test_exponent_floats_from_set_and_yaml_files_submit(client, tmp_path):
     run = client.runs.create({"name": uname("lr")}, overrides=["optimizer.lr=1e-3", "optimizer.weight_decay=1E-2"])

@@ -101,9 +101,21 @@ def test_auto_keeps_the_base_world_size():
     assert drafts and all(d.layout.world_size == 2 for d in drafts)
 
 
+def test_auto_with_the_cost_objective_puts_the_most_tokens_per_device_second_first():
+    budget = {"max_trials": 8, "steps_per_trial": 6, "warmup_steps": 2}
+    by_cost = expand(make(search={"layouts": "auto"}, objective="cost", budget=budget), cluster=cpu_cluster(4))
+    by_time = expand(make(search={"layouts": "auto"}, budget=budget), cluster=cpu_cluster(4))
+    per_device = [d.predicted.tokens_per_s / d.layout.world_size for d in by_cost if d.status == TrialStatus.PENDING]
+    assert len(per_device) >= 2 and per_device == sorted(per_device, reverse=True)
+    assert {d.layout.world_size for d in by_cost} == {2, 4}  # both worlds compete
+    fastest = max((d for d in by_time if d.status == TrialStatus.PENDING), key=lambda d: d.predicted.tokens_per_s)
+    assert per_device[0] >= fastest.predicted.tokens_per_s / fastest.layout.world_size
+
+
 class _T:
-    def __init__(self, id, status, tps, mfu=None):  # noqa: A002
+    def __init__(self, id, status, tps, mfu=None, layout=None):  # noqa: A002
         self.id, self.status, self.measured_tokens_per_s, self.measured_mfu = id, status, tps, mfu
+        self.layout = layout or {"dp": 1}
 
 
 def test_best_trial_is_the_highest_measured_among_finished_ones():
@@ -112,6 +124,9 @@ def test_best_trial_is_the_highest_measured_among_finished_ones():
     assert best_trial(trials, "tokens_per_s").id == 4
     assert best_trial(trials, "mfu").id == 3
     assert best_trial([_T(1, "FAILED", 10.0)], "tokens_per_s") is None
+    # cost: tokens per device-second, so 300 tokens/s on 4 workers loses to 100 on 1
+    cheap = [_T(1, "SUCCEEDED", 100.0, layout={"dp": 1}), _T(2, "SUCCEEDED", 300.0, layout={"dp": 4})]
+    assert best_trial(cheap, "cost").id == 1 and best_trial(cheap, "tokens_per_s").id == 2
 
 
 def test_a_candidate_that_cannot_sit_beside_the_sweeps_trial_drivers_is_skipped_before_it_starts():

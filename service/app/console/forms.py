@@ -42,6 +42,8 @@ PLAN_DEFAULTS = {
     "top_k": "10",
     "peak_tflops": "",
     "memory_gib": "",
+    "price": "",
+    "rank_by": "time",
 }
 
 
@@ -91,6 +93,14 @@ def plan_request(form: dict[str, str]) -> dict[str, Any]:
             if not math.isfinite(scaled) or scaled > MAX_CLUSTER_VALUE:
                 raise ValueError(f"{key}: {form.get(key, '').strip()[:40]} is out of range; give a realistic number")
             body["cluster"][field] = int(scaled) if field == "memory_bytes" else scaled
+    price = (form.get("price") or "").strip()
+    if price:
+        try:  # a negative or infinite price is the planner's 422 (cluster.price_per_device_hour)
+            body["cluster"]["price_per_device_hour"] = float(price)
+        except ValueError:
+            raise ValueError(f"price: {price[:40]} is not a number; give US dollars per GPU-hour") from None
+    if form.get("rank_by") == "cost":
+        body["rank_by"] = "cost"
     return body
 
 
@@ -123,7 +133,8 @@ def _plan(request: Request, body: dict[str, Any]) -> tuple[PlanRequest, PlanResp
     if not plans.limiter.try_acquire():
         raise ValueError(f"the planner is busy with {plans.limiter.slots} searches; try again in a second")
     try:
-        return req, plans._plan(req, request.app.state.runtime, request.app.state.session_factory)
+        app = request.app.state
+        return req, plans._plan(req, app.runtime, app.session_factory, app.settings.device_prices)
     finally:
         plans.limiter.release()
 

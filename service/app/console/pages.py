@@ -30,6 +30,7 @@ from service.app.console.web import (
 from service.app.deps import Principal
 from service.app.pagination import decode_cursor, encode_cursor
 from service.errors import NotFound
+from service.store.cost import cost_of
 from service.store.db import session_scope
 from service.store.goodput import run_goodput
 from service.store.models import Run
@@ -177,6 +178,7 @@ def _run_context(request: Request, principal: Principal, run_id: str) -> dict[st
             Counter(int(r) for e in stragglers for r in re.findall(r"\brank[ =:]?(\d+)", e.reason or "")).items()
         ),
         "goodput": goodput,
+        "cost": cost_of(run, attempts),
         "goodput_lost": sorted(
             ((k.replace("_", " "), v) for k, v in (goodput or {}).get("lost_s", {}).items() if v >= 0.5),
             key=lambda kv: -kv[1],

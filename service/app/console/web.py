@@ -73,6 +73,15 @@ def _seconds(x: float | None) -> str:
     return f"{x / 3600:.1f} h"
 
 
+def _usd(x: float | None) -> str:
+    """US dollars: '$1,234', '$24.00', '$0.000315' (three significant figures below a cent); '–' when unknown."""
+    if x is None:
+        return "–"
+    if x >= 1000:
+        return f"${x:,.0f}"
+    return f"${x:.2f}" if x >= 0.01 or x == 0 else f"${x:.3g}"
+
+
 def _utc(dt: datetime | None) -> datetime | None:
     if dt is not None and dt.tzinfo is None:
         return dt.replace(tzinfo=UTC)
@@ -118,6 +127,7 @@ for name, fn in {
     "pct": _pct,
     "bytes": _bytes,
     "seconds": _seconds,
+    "usd": _usd,
     "age": _age,
     "iso": _iso,
     "clock": _clock,

@@ -125,24 +125,33 @@ def _unencodable(x: object, where: str = "") -> str | None:
     return None
 
 
-def _plan(req: PlanRequest, runtime: Runtime | None, factory: sessionmaker[Session] | None) -> PlanResponse:
-    """The blocking part (cluster lookup, calibration lookup, search): runs in a worker thread."""
+def _plan(
+    req: PlanRequest,
+    runtime: Runtime | None,
+    factory: sessionmaker[Session] | None,
+    prices: dict[str, float] | None = None,
+) -> PlanResponse:
+    """The blocking part (cluster lookup, calibration lookup, search): runs in a worker thread. ``prices``: the
+    settings' ``device_prices`` (a request's ``cluster.price_per_device_hour`` comes first)."""
     cluster = _resolve_cluster(req.cluster, runtime)
     if cluster is not req.cluster:
         req = req.model_copy(update={"cluster": cluster})
     # a cluster that sweeps or runs have measured is planned with the fitted factors (None: the planner's defaults)
     factors, calibration = calibration_for(factory, cluster)
-    return planner.search(req, factors=factors, calibration=calibration)
+    return planner.search(req, factors=factors, calibration=calibration, prices=prices)
 
 
-def _plan_json(req: PlanRequest, runtime: Runtime | None, factory: sessionmaker[Session] | None) -> bytes:
-    return _plan(req, runtime, factory).model_dump_json(by_alias=True).encode()  # as FastAPI would
+def _plan_json(
+    req: PlanRequest, runtime: Runtime | None, factory: sessionmaker[Session] | None, prices: dict[str, float]
+) -> bytes:
+    return _plan(req, runtime, factory, prices).model_dump_json(by_alias=True).encode()  # as FastAPI would
 
 
 @router.post("/v1/plans", response_model=PlanResponse, summary="Plan a layout", responses=error_responses(422, 503))
 async def create_plan(req: PlanRequest, request: Request, runtime: RuntimeDep, factory: SessionFactoryDep) -> Response:
     """With ``layout``: that layout scored (one candidate; 422 if the model cannot run it). Without: the
-    ``top_k`` fastest feasible layouts, with rejected ones and why. 503 with ``Retry-After`` when the planner stayed
+    ``top_k`` fastest feasible layouts (``rank_by: cost``: the cheapest per token, on parts of the cluster too),
+    with rejected ones and why; every feasible one with its cost. 503 with ``Retry-After`` when the planner stayed
     busy with other searches until the request's queue deadline."""
     bad = _unencodable(req.model_dump())
     if bad:
@@ -165,7 +174,7 @@ async def create_plan(req: PlanRequest, request: Request, runtime: RuntimeDep, f
         )
     try:  # serialized in the pool too: a long answer encoded on the event loop would stall every other request
         body = await asyncio.get_running_loop().run_in_executor(
-            limiter.pool, functools.partial(_plan_json, req, runtime, factory)
+            limiter.pool, functools.partial(_plan_json, req, runtime, factory, request.app.state.settings.device_prices)
         )
         return Response(body, media_type="application/json")
     finally:

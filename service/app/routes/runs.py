@@ -21,6 +21,7 @@ from api.spec import (
     MetricList,
     MetricRow,
     ResumeRequest,
+    RunCost,
     RunList,
     RunPublic,
     RunSpec,
@@ -42,6 +43,7 @@ from service.app.deps import PrincipalDep, RuntimeDep, SessionDep, SettingsDep
 from service.app.errors import ApiError, error_responses
 from service.app.pagination import decode_cursor, encode_cursor, no_cursor_with_offset
 from service.control import submission
+from service.store.cost import run_cost
 from service.store.db import session_scope
 from service.store.metrics import METRIC_FIELDS
 from service.store.models import Checkpoint, Metric, Run, RunEvent, RunStats
@@ -96,6 +98,7 @@ def run_public(
     summary: dict[str, Any] | None = None,
     stats: RunStats | None = None,
     request: Request | None = None,
+    cost: RunCost | None = None,
 ) -> RunPublic:
     """ORM run -> API model (timestamps UTC-aware on every database). The summary is the final one the driver
     wrote, else the live one maintained with the metrics (``stats``). With ``request``, ``dashboard_url`` is the
@@ -124,6 +127,7 @@ def run_public(
         dashboard_url=dashboard_url,
         rank_nodes={str(k): str(v) for k, v in run.rank_nodes.items()} if run.rank_nodes else None,
         summary=RunSummary.model_validate(summ) if summ else None,
+        cost=cost,
         created_at=_utc(run.created_at),
         updated_at=_utc(run.updated_at),
         started_at=_utc(run.started_at),
@@ -391,7 +395,7 @@ async def get_run(run_id: RunId, req: Request, principal: PrincipalDep) -> RunPu
     def read() -> RunPublic:
         with session_scope(req.app.state.session_factory) as session:
             run = store.get_run(session, run_id=run_id, project=principal.scope)
-            return run_public(run, stats=live_stats(session, run), request=req)
+            return run_public(run, stats=live_stats(session, run), request=req, cost=run_cost(session, run))
 
     return await run_in_threadpool(read)
 
