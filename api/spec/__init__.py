@@ -92,9 +92,14 @@ from api.spec.sweep import (
     SweepSearch,
     TrialPublic,
 )
+from api.spec.tracking import MlflowTracking, TrackingSpec, WandbTracking, merge_tracking
 from api.spec.validation import SpecCheck, SpecError, SpecIssue, build_plan, check_spec, resolve_model
 
 __all__ = [
+    "MlflowTracking",
+    "TrackingSpec",
+    "WandbTracking",
+    "merge_tracking",
     "ArtifactList",
     "ArtifactPublic",
     "BREAKDOWN_ROWS",
