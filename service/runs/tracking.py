@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 MAX_PENDING = 100_000  # items per tracker queue
 RETRY_FIRST_S = 1.0
 RETRY_MAX_S = 30.0
+RETRY_CLOSING_S = 1.0
 MAX_PARAM_CHARS = 500
 EventSink = Callable[[str, str], None]
 
@@ -161,7 +162,9 @@ class _Lane:
                 with self.cond:
                     if self.closing and self._past():
                         break
-                    wait = delay if self.deadline is None else min(delay, max(0.0, self.deadline - time.monotonic()))
+                    wait = delay  # closing: retry every RETRY_CLOSING_S up to the deadline
+                    if self.deadline is not None:
+                        wait = min(delay, RETRY_CLOSING_S, max(0.0, self.deadline - time.monotonic()))
                     self.cond.wait(wait)
                 delay = min(delay * 2, RETRY_MAX_S)
                 continue
@@ -301,6 +304,32 @@ def track_run(
     life.recorder.trackers = trackers
     atexit.register(trackers.close, flush_timeout_s)
     return trackers
+
+
+def tracking_links(tracking: TrackingSpec, run_id: str, data_dir: str | Path) -> dict[str, str]:
+    """Where the run's trackers are (``RunPublic.tracking``): the TensorBoard event directory, the MLflow server and
+    experiment (its run carries the tag ``meshrun.run_id``), the W&B project and run id."""
+    out: dict[str, str] = {}
+    if tracking.mlflow is not None:
+        out["mlflow"] = f"{tracking.mlflow.tracking_uri or ''} experiment {tracking.mlflow.experiment or 'meshrun'}"
+    if tracking.tensorboard:
+        out["tensorboard"] = str(tensorboard_dir(data_dir, run_id))
+    if tracking.wandb is not None and tracking.wandb.mode != "disabled":
+        out["wandb"] = (
+            f"project {tracking.wandb.project or 'meshrun'}, run {run_id} ({tracking.wandb.mode or 'online'})"
+        )
+    return out
+
+
+def tracking_for(run_id: str, spec: Mapping[str, Any] | None, settings: Any) -> dict[str, str] | None:
+    """``RunPublic.tracking`` of a stored run: ``tracking_links`` of its spec merged with the service defaults."""
+    from api.spec import merge_tracking
+
+    own = (spec or {}).get("tracking")
+    if settings is None or (own is None and settings.tracking is None):
+        return None
+    merged = merge_tracking(TrackingSpec.model_validate(own) if own else None, settings.tracking)
+    return tracking_links(merged, run_id, settings.data_dir) or None
 
 
 def describe_tracking(tracking: TrackingSpec, run_id: str, data_dir: str | Path) -> str:
