@@ -54,6 +54,11 @@ class RunPublic(_Public):
     dashboard_url: str | None = None
     rank_nodes: dict[str, str] | None = Field(None, description="world rank -> Ray node id")
     summary: RunSummary | None = None
+    tracking: dict[str, str] | None = Field(
+        None,
+        description="Where the run's experiment trackers log: tensorboard (its event file directory), mlflow (server "
+        "and experiment; the MLflow run has the tag meshrun.run_id), wandb (project and run id).",
+    )
     created_at: datetime
     updated_at: datetime
     started_at: datetime | None = None

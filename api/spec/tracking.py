@@ -77,9 +77,9 @@ def merge_tracking(spec: TrackingSpec | None, defaults: TrackingSpec | None) -> 
         return type(mine).model_validate(merged)
 
     return TrackingSpec(
-        mlflow=sub(own.mlflow, defaults.mlflow),  # type: ignore[arg-type]
+        mlflow=sub(own.mlflow, defaults.mlflow),
         tensorboard=own.tensorboard if own.tensorboard is not None else defaults.tensorboard,
-        wandb=sub(own.wandb, defaults.wandb),  # type: ignore[arg-type]
+        wandb=sub(own.wandb, defaults.wandb),
     )
 
 

@@ -244,7 +244,7 @@ class Trackers:
             if lane.thread.is_alive() or lane.queue:
                 done = False
                 logger.warning(
-                    "tracker %s: %d items not sent before the run's driver ended", lane.sink.name, len(lane.queue)
+                    "tracker %s: %d items not sent before the run's driver ended", lane.name, len(lane.queue)
                 )
         return done
 
