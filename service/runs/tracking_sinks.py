@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from api.spec import TrackingSpec
-from service.runs.tracking import Item, Rejected, Sink, numeric_metrics, tensorboard_dir, tracking_dir
+from service.runs.tracking_base import Item, Rejected, Sink, numeric_metrics, tensorboard_dir, tracking_dir
 
 MLFLOW_BATCH = 1000  # MLflow's limit of metrics per log_batch call
 MLFLOW_PARAMS_BATCH = 100
