@@ -44,7 +44,15 @@ def check_tracking(spec: RunSpec, *, settings: Settings, restricted: bool) -> No
             )
     uri = t.mlflow.tracking_uri if t.mlflow is not None else None
     if uri is not None:
-        scheme = urlsplit(uri).scheme.lower()
+        try:
+            scheme = urlsplit(uri).scheme.lower()
+        except ValueError as e:  # e.g. an unbalanced [ in the host
+            raise PolicyViolation(
+                422,
+                "invalid_value",
+                f"tracking.mlflow.tracking_uri: not a URL ({e}); give http(s)://host:port of an MLflow server",
+                "tracking.mlflow.tracking_uri",
+            ) from None
         if scheme not in REMOTE_SCHEMES and restricted:
             raise PolicyViolation(
                 422,

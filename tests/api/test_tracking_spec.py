@@ -28,6 +28,7 @@ def test_a_tracker_whose_client_is_missing_is_refused_naming_the_extra(client, m
 def test_tracking_fields_are_checked_and_name_themselves(client):
     for bad, param in (
         ({"mlflow": {"tracking_uri": "gopher://x"}}, "tracking.mlflow.tracking_uri"),
+        ({"mlflow": {"tracking_uri": "http://[::1"}}, "tracking.mlflow.tracking_uri"),
         ({"mlflow": {"experiment": "a"}}, "tracking.mlflow.tracking_uri"),  # no server and no service default
         ({"wandb": {"mode": "sometimes"}}, "tracking.wandb.mode"),
         ({"wandb": {"project": "<script>"}}, "tracking.wandb.project"),
