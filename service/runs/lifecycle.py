@@ -574,8 +574,8 @@ class RunLifecycle:
             if outcome.detail and current:
                 store.add_event(s, run_id=self.run_id, kind="error", reason=outcome.detail, actor=self.actor)
         if outcome.status is not None:
-            self.request(outcome.status, outcome.reason, summary=summary)
-            if self.recorder.trackers is not None:  # mirrored after the run's own record (never delays it)
+            applied = self.request(outcome.status, outcome.reason, summary=summary)
+            if applied and self.recorder.trackers is not None:  # mirrored once the run's own record holds it
                 self.recorder.trackers.finish(outcome.status.value, summary | {"reason": outcome.reason})
         logger.info(
             "run %s: %s (%s)%s",
