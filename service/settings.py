@@ -14,6 +14,8 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from api.spec.tracking import TrackingSpec
+
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
@@ -71,6 +73,15 @@ class Settings(BaseSettings):
         None, description="Default checkpoint storage (default <data_dir>/checkpoints)."
     )
     scheduler_interval_s: float = Field(1.0, gt=0, le=60)
+    tracking: TrackingSpec | None = Field(
+        None,
+        description="MESHRUN_TRACKING: the experiment trackers every run logs to unless its spec says otherwise, JSON: "
+        '{"mlflow": {"tracking_uri": "http://mlflow:5000", "experiment": "meshrun"}, "tensorboard": true} '
+        "(docs/tracking.md).",
+    )
+    tracking_flush_timeout_s: float = Field(
+        30.0, ge=0, le=3600, description="How long a finished run's driver waits for its trackers to catch up."
+    )
     preemption: Literal["off", "project", "any"] = Field(
         "off",
         description="A higher-priority run that cannot be placed preempts lower-priority runs (they checkpoint, go "

@@ -96,6 +96,7 @@ from api.spec.sweep import (
     SweepSearch,
     TrialPublic,
 )
+from api.spec.tracking import MlflowTracking, TrackingSpec, WandbTracking, merge_tracking
 from api.spec.validation import SpecCheck, SpecError, SpecIssue, build_plan, check_spec, resolve_model
 from api.spec.webhooks import (
     WEBHOOK_EVENTS,
@@ -117,6 +118,10 @@ __all__ = [
     "WebhookPublic",
     "ExportPublic",
     "ExportRequest",
+    "MlflowTracking",
+    "TrackingSpec",
+    "WandbTracking",
+    "merge_tracking",
     "ArtifactList",
     "ArtifactPublic",
     "BREAKDOWN_ROWS",

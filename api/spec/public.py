@@ -69,6 +69,11 @@ class RunPublic(_Public):
     rank_nodes: dict[str, str] | None = Field(None, description="world rank -> Ray node id")
     summary: RunSummary | None = None
     cost: RunCost | None = Field(None, description="Device-hours (and US dollars) its attempts took; single reads.")
+    tracking: dict[str, str] | None = Field(
+        None,
+        description="Where the run's experiment trackers log: tensorboard (its event file directory), mlflow (server "
+        "and experiment; the MLflow run has the tag meshrun.run_id), wandb (project and run id).",
+    )
     created_at: datetime
     updated_at: datetime
     started_at: datetime | None = None

@@ -20,6 +20,7 @@ from api.spec._base import (
     NAME_RE,
     _Spec,
 )
+from api.spec.tracking import TrackingSpec
 
 
 class ModelSpec(_Spec):
@@ -358,6 +359,9 @@ class RunSpec(_Spec):
     cluster: RunClusterSpec = Field(default_factory=RunClusterSpec)
     skip_memory_check: bool = Field(False, description="Submit even if the planner predicts it will not fit.")
     labels: dict[str, str] = Field(default_factory=dict)
+    tracking: TrackingSpec | None = Field(
+        None, description="Experiment trackers (MLflow, TensorBoard, W&B) the driver logs to; docs/tracking.md."
+    )
     code: CodeSpec | None = Field(
         None,
         description="User code directory for model/data entrypoints (shipped to "

@@ -38,6 +38,7 @@ from service.runs.disk_full import is_disk_full, retry_after_disk_full
 from service.runs.inspect import InspectionFailed, describe, inspect_in_driver
 from service.runs.lifecycle import Outcome, RunLifecycle, failure_text, one_sentence
 from service.runs.preemption import preemption_reason, watch_preempt_requests
+from service.runs.tracking import track_run
 from service.runs.trainer import build_trainer, placing_phase, train_run_name
 from service.security.paths import project_checkpoint_root
 from service.settings import Settings
@@ -268,6 +269,15 @@ def main(argv: list[str] | None = None) -> int:
     if not life.start(f"driver started (Ray Job {os.environ.get(JOB_ID_ENV) or '?'})"):
         return 0
 
+    track_run(
+        life,
+        spec,
+        plan,
+        defaults=settings.tracking,
+        data_dir=settings.data_dir,
+        run_name=run_name,
+        flush_timeout_s=settings.tracking_flush_timeout_s,
+    )
     # the explicit GCS address: "auto" resolution can pick another cluster on a shared machine
     ray.init(address=os.environ.get(GCS_ADDRESS_ENV) or None, logging_level=logging.WARNING, log_to_driver=True)
     if spec.model.entrypoint:  # a user model: inspect it on the meta device before any worker starts
@@ -323,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
             if life.requeue(notice):
                 return 0  # back in the queue; the scheduler resumes it from the emergency checkpoint
     life.finish(outcome, wall_s=time.time() - t0)
+    if life.recorder.trackers is not None:  # after the run's terminal state: catching up never delays it
+        life.recorder.trackers.close(settings.tracking_flush_timeout_s)
     return 0 if outcome.status == RunStatus.SUCCEEDED else 1
 
 

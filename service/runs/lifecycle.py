@@ -112,13 +112,19 @@ class Recorder:
         self.lock = threading.Lock()
         self._drain_lock = threading.Lock()  # one drain at a time (``drain``)
         self._pending_drain: Any = None  # a drain the channel has not answered yet
+        self.trackers: Any = None  # service.runs.tracking.Trackers: gets what was committed (``track_run``)
+        self._out: list[tuple[str, Any]] = []  # for the trackers, sent once the transaction committed
 
     def apply(self, events: list[dict[str, Any]]) -> None:
         if not events:
             return
         with self.lock:
+            self._out = []
             if self._apply(events):
                 self._prune_checkpoints()
+            if self.trackers is not None:
+                for what, args in self._out:
+                    getattr(self.trackers, what)(*args)
 
     def _apply(self, events: list[dict[str, Any]]) -> bool:
         """Write ``events`` (one transaction); True when a checkpoint was recorded."""
@@ -139,6 +145,7 @@ class Recorder:
                     recorded = self._checkpoint(s, ev) or recorded
                 elif kind == "worker_error":
                     self.worker_errors.append(ev["text"])
+                    self._out.append(("event", ("worker_error", ev["text"])))
                     store.add_event(
                         s,
                         run_id=self.run_id,
@@ -147,6 +154,7 @@ class Recorder:
                     )
                 elif kind == "event":
                     store.add_event(s, run_id=self.run_id, kind=str(ev["kind"]), reason=trim(str(ev["reason"])))
+                    self._out.append(("event", (str(ev["kind"]), trim(str(ev["reason"])))))
                 elif kind == "done":
                     self.summary = ev.get("summary") or {}
                 elif kind == "artifact":
@@ -206,9 +214,11 @@ class Recorder:
             alert = r.pop(SYNC_ALERT, None)  # layout.sync: staleness at its bound, replicas diverging
             if alert:
                 store.add_event(s, run_id=self.run_id, kind="sync_alert", reason=trim(f"step {r['step']}: {alert}"))
+                self._out.append(("event", ("sync_alert", f"step {r['step']}: {alert}")))
             rows.append(r)
             self._watch(s, r)
         store.add_metrics(s, run_id=self.run_id, attempt=ev["attempt"], rows=rows)
+        self._out.append(("metrics", (rows,)))
         if rows and not self.first_step_seen:
             self.first_step_seen = True
             store.add_phase(s, run_id=self.run_id, phase=f"first step: step {rows[0].get('step')} trained")
@@ -228,6 +238,7 @@ class Recorder:
             text = found.describe((self.rank_nodes or {}).get(key), self.rank_hosts.get(key))
             logger.warning("run %s: %s", self.run_id, text)
             store.add_event(s, run_id=self.run_id, kind="straggler", reason=text)
+            self._out.append(("event", ("straggler", text)))
 
     def _checkpoint(self, s: Session, ev: dict[str, Any]) -> bool:
         if ev.get("step") is None:
@@ -243,6 +254,7 @@ class Recorder:
         store.add_event(
             s, run_id=self.run_id, kind="checkpoint", reason=f"checkpoint of step {ev['step']} at {ev['path']}"
         )
+        self._out.append(("checkpoint", (int(ev["step"]), str(ev["path"]))))
         return True
 
     def _prune_checkpoints(self) -> None:
@@ -562,7 +574,9 @@ class RunLifecycle:
             if outcome.detail and current:
                 store.add_event(s, run_id=self.run_id, kind="error", reason=outcome.detail, actor=self.actor)
         if outcome.status is not None:
-            self.request(outcome.status, outcome.reason, summary=summary)
+            applied = self.request(outcome.status, outcome.reason, summary=summary)
+            if applied and self.recorder.trackers is not None:  # mirrored once the run's own record holds it
+                self.recorder.trackers.finish(outcome.status.value, summary | {"reason": outcome.reason})
         logger.info(
             "run %s: %s (%s)%s",
             self.run_id,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from api.spec import RunSpec
 from service.security.paths import PolicyViolation, decide_path, project_checkpoint_root, storage_problem
+from service.security.tracking import check_tracking
 from service.settings import Settings
 
 __all__ = ["PolicyViolation", "check_code_dir", "check_spec_policy", "resolve_code_dir", "uses_user_code"]
@@ -93,6 +94,7 @@ def check_spec_policy(
         why = check_code_dir(spec, settings)
         if why:
             raise PolicyViolation(422, "invalid_path", why, "code.working_dir")
+    check_tracking(spec, settings=settings, restricted=restricted)
     if (data_path, storage, model_path) == (spec.data.path, spec.checkpoint.storage, spec.model.path):
         return spec
     return spec.model_copy(

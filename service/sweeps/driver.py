@@ -47,6 +47,7 @@ from api.spec import RunStatus, SweepCreate
 from service import store
 from service.runs.lifecycle import Outcome, RunLifecycle
 from service.runs.preemption import preemption_reason
+from service.runs.tracking import track_run
 from service.runs.trainer import build_trainer, placing_phase, train_run_name
 from service.settings import Settings
 from service.store import controller
@@ -199,6 +200,16 @@ def run_trial(config: dict[str, Any]) -> None:
         m = conclude_trial(factory, tr, Outcome(None, f"ended before its driver started ({now.value})"), external=now)
         _report(m, tr.objective, run_id=tr.run_id, final=True, failed=True)
         return
+    track_run(
+        life,
+        tr.spec,
+        tr.plan,
+        defaults=settings.tracking,
+        data_dir=settings.data_dir,
+        run_name=tr.run_name,
+        flush_timeout_s=settings.tracking_flush_timeout_s,
+        parent=config["sweep_id"],
+    )
     box: dict[str, Any] = {}
     t0 = time.time()
     with life.channel(first_attempt=1) as channel:
@@ -244,6 +255,8 @@ def run_trial(config: dict[str, Any]) -> None:
     else:
         outcome = Outcome(RunStatus.FAILED, "training ended without a result")
     life.finish(outcome, wall_s=time.time() - t0)
+    if life.recorder.trackers is not None:  # a Tune trial's process outlives the trial: flush now
+        life.recorder.trackers.close(settings.tracking_flush_timeout_s)
     m = conclude_trial(factory, tr, outcome, external=external)
     try:
         ray.kill(channel)  # the Train run has ended; nothing reports to the channel any more

@@ -44,6 +44,7 @@ from service.app.errors import ApiError, error_responses
 from service.app.pagination import decode_cursor, encode_cursor, no_cursor_with_offset
 from service.control import submission
 from service.store.cost import run_cost
+from service.runs.tracking import tracking_for
 from service.store.db import session_scope
 from service.store.metrics import METRIC_FIELDS
 from service.store.models import Checkpoint, Metric, Run, RunEvent, RunStats
@@ -128,6 +129,7 @@ def run_public(
         rank_nodes={str(k): str(v) for k, v in run.rank_nodes.items()} if run.rank_nodes else None,
         summary=RunSummary.model_validate(summ) if summ else None,
         cost=cost,
+        tracking=tracking_for(run.id, run.spec, request.app.state.settings if request is not None else None),
         created_at=_utc(run.created_at),
         updated_at=_utc(run.updated_at),
         started_at=_utc(run.started_at),

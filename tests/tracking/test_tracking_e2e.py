@@ -1,0 +1,56 @@
+"""One run through the live service with TensorBoard and MLflow on, the MLflow server unreachable while it trains
+(a forwarder that only starts listening once the run recorded the outage): the run SUCCEEDS, records ONE
+``tracker_unavailable`` event, and every step's metrics reach MLflow after it returns; the TensorBoard event files,
+found through GET /v1/runs/{id}, hold every step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.ray.helpers import events, get_run, metrics, submit, tiny_spec, wait_for
+from tests.tracking.conftest import Forwarder, tensorboard_scalars, wait_until
+
+pytestmark = pytest.mark.ray
+STEPS = 12
+
+
+def test_a_run_logs_to_tensorboard_and_to_an_mlflow_server_that_comes_back(live_service, mlflow_server):
+    from mlflow.tracking import MlflowClient
+
+    url = live_service.url
+    proxy = Forwarder(int(mlflow_server.rsplit(":", 1)[1]))
+    spec = tiny_spec("tracked-e2e", steps=STEPS, tracking={
+        "tensorboard": True, "mlflow": {"tracking_uri": proxy.url, "experiment": "meshrun-e2e"}})
+    run = submit(url, spec)
+    try:
+        wait_until(lambda: "tracker_unavailable" in [e["kind"] for e in events(url, run["id"])], 300, "the event")
+        proxy.start()  # the tracker returns while (or just after) the run trains
+        done = wait_for(url, run["id"], {"SUCCEEDED", "FAILED", "CANCELLED"}, timeout_s=300)
+        assert done["status"] == "SUCCEEDED", done["status_reason"]
+        steps = sorted(m["step"] for m in metrics(url, run["id"]))
+        assert steps == list(range(1, STEPS + 1))
+
+        client = MlflowClient(mlflow_server)
+
+        def arrived() -> bool:
+            exp = client.get_experiment_by_name("meshrun-e2e")
+            found = exp and client.search_runs([exp.experiment_id], f"tags.`meshrun.run_id` = '{run['id']}'")
+            return bool(found) and found[0].info.status == "FINISHED"
+
+        wait_until(arrived, 120, "the MLflow run to catch up and finish")
+    finally:
+        proxy.stop()
+    exp = client.get_experiment_by_name("meshrun-e2e")
+    mrun = client.search_runs([exp.experiment_id], f"tags.`meshrun.run_id` = '{run['id']}'")[0]
+    assert mrun.data.tags["meshrun.status"] == "SUCCEEDED" and mrun.data.params["spec.train.steps"] == str(STEPS)
+    for key in ("loss", "tokens_per_s"):
+        assert sorted(m.step for m in client.get_metric_history(mrun.info.run_id, key)) == steps, key
+    kinds = [e["kind"] for e in events(url, run["id"])]
+    assert kinds.count("tracking") == 1
+    assert kinds.count("tracker_unavailable") == 1  # one outage, one event
+
+    logdir = Path(get_run(url, run["id"])["tracking"]["tensorboard"])
+    scalars = tensorboard_scalars(logdir)
+    assert [s for s, _ in scalars["loss"]] == steps
