@@ -43,8 +43,8 @@ from service.app.deps import PrincipalDep, RuntimeDep, SessionDep, SettingsDep
 from service.app.errors import ApiError, error_responses
 from service.app.pagination import decode_cursor, encode_cursor, no_cursor_with_offset
 from service.control import submission
-from service.store.cost import run_cost
 from service.runs.tracking import tracking_for
+from service.store.cost import run_cost
 from service.store.db import session_scope
 from service.store.metrics import METRIC_FIELDS
 from service.store.models import Checkpoint, Metric, Run, RunEvent, RunStats
