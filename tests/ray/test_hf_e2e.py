@@ -1,6 +1,7 @@
 """A Hugging Face model end to end on the session's local Ray cluster: a tiny random Llama (grouped-query
-attention, RoPE, SwiGLU) saved with transformers, trained through REST with tp2 + sequence parallel, exported
-with ``meshrun export`` (CLI -> SDK -> REST) and reloaded with transformers, whose logits equal meshrun's."""
+attention, RoPE, SwiGLU) and a tiny GPT-2 saved with transformers, trained through REST (the Llama with tp2 + sequence
+parallel, GPT-2 with dp2), exported with ``meshrun export`` (CLI -> SDK -> REST) and reloaded with transformers, whose
+logits equal meshrun's."""
 
 from __future__ import annotations
 
@@ -22,36 +23,46 @@ from workers.models import build_model
 pytestmark = pytest.mark.ray
 
 
-def test_hf_llama_trains_with_tp2_and_exports_to_transformers(live_service, tmp_path):
+CASES = {  # architecture -> layout; both runs go at once (the cluster has room for both)
+    "llama": {"tp": 2, "layout": {"sequence_parallel": True}},
+    "gpt2": {"dp": 2},
+}
+
+
+def test_hf_llama_tp2_and_gpt2_dp2_train_and_export_to_transformers(live_service, tmp_path):
     url = live_service.url
-    src = save_tiny("llama", tmp_path / "llama")
-    spec = tiny_spec(
-        "e2e-hf-llama",
-        tp=2,
-        steps=3,
-        model={"name": "hf", "path": str(src), "seq_len": 16, "preset": None},
-        layout={"sequence_parallel": True},
-        checkpoint={"every_steps": 3},
-    )
-    run = submit(url, spec)
-    assert run["plan"]["model"]["args"]["arch"] == "llama" and run["plan"]["model"]["d_ff"] == 64
-    done = wait_for(url, run["id"], {"SUCCEEDED"}, timeout_s=240)
-    assert done["summary"]["steps_done"] == 3
+    runs, sources = {}, {}
+    for kind, layout in CASES.items():
+        sources[kind] = save_tiny(kind, tmp_path / kind)
+        spec = tiny_spec(
+            f"e2e-hf-{kind}",
+            steps=3,
+            model={"name": "hf", "path": str(sources[kind]), "seq_len": 16, "preset": None},
+            checkpoint={"every_steps": 3},
+            **layout,
+        )
+        runs[kind] = submit(url, spec)
+    assert runs["llama"]["plan"]["model"]["args"]["arch"] == "llama" and runs["llama"]["plan"]["model"]["d_ff"] == 64
 
-    out = tmp_path / "exported"
-    r = CliRunner().invoke(app, ["--url", url, "export", run["id"], "--format", "hf", "--out", str(out), "--json"])
-    assert r.exit_code == 0, r.output
-    res = json.loads(r.output)
-    assert res["step"] == 3 and res["files"] == ["config.json", "model.safetensors"]
+    for kind, run in runs.items():
+        done = wait_for(url, run["id"], {"SUCCEEDED"}, timeout_s=300)
+        assert done["summary"]["steps_done"] == 3
 
-    # meshrun's model from the run's checkpoint vs transformers' model from the export: the same logits
-    cks = httpx.get(f"{url}/v1/runs/{run['id']}/checkpoints", timeout=30).json()["items"]
-    cks = [c for c in cks if c["step"] == 3]
-    mine = build_model(build_plan(RunSpec.model_validate(done["spec"]), device="cpu").model, device="cpu")
-    mine.load_state_dict(load_full_model_state(cks[-1]["path"]))
-    x = batch()
-    with torch.no_grad():
-        ours = mine.eval()(x)
-    theirs = hf_logits(out, x)
-    assert (theirs - ours).abs().max().item() < 1e-4
-    assert (theirs - hf_logits(src, x)).abs().max().item() > 1e-3  # the run changed the weights
+        out = tmp_path / f"exported-{kind}"
+        args = ["--url", url, "export", run["id"], "--format", "hf", "--out", str(out), "--json"]
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 0, r.output
+        res = json.loads(r.output)
+        assert res["step"] == 3 and res["files"] == ["config.json", "model.safetensors"]
+
+        # meshrun's model from the run's checkpoint vs transformers' model from the export: the same logits
+        cks = httpx.get(f"{url}/v1/runs/{run['id']}/checkpoints", timeout=30).json()["items"]
+        cks = [c for c in cks if c["step"] == 3]
+        mine = build_model(build_plan(RunSpec.model_validate(done["spec"]), device="cpu").model, device="cpu")
+        mine.load_state_dict(load_full_model_state(cks[-1]["path"]))
+        x = batch()
+        with torch.no_grad():
+            ours = mine.eval()(x)
+        theirs = hf_logits(out, x)
+        assert (theirs - ours).abs().max().item() < 1e-4, kind
+        assert (theirs - hf_logits(sources[kind], x)).abs().max().item() > 1e-3, kind  # the run changed the weights
