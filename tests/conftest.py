@@ -26,9 +26,11 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -327,13 +329,13 @@ def live_service(ray_cluster: RayTestCluster, tmp_path_factory: pytest.TempPathF
 
 
 # ------------------------------------------------------------------------------------------- a full disk
-@pytest.fixture
-def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A real 1 MiB tmpfs (a disk that fills up), unmounted after the test. Mounting needs root: CI and this
-    machine run as root, where a failed mount is a test failure; elsewhere the test is skipped with the reason."""
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
+@contextmanager
+def mounted_tmpfs(mnt: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of ``size`` (``1m``, ``72m``) at ``mnt`` (a disk that fills up), unmounted afterwards. Mounting
+    needs root: CI and this machine run as root, where a failed mount is a test failure; elsewhere the test is
+    skipped with the reason."""
+    mnt.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True)
     if done.returncode != 0:
         why = f"cannot mount a tmpfs: {done.stderr.decode().strip()}"
         if os.geteuid() == 0:
@@ -343,3 +345,10 @@ def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real 1 MiB tmpfs (``mounted_tmpfs``)."""
+    with mounted_tmpfs(tmp_path / "tiny", "1m") as mnt:
+        yield mnt

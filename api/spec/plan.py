@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field, computed_field, model_validator
 
-from api.spec._base import MAX_BATCH, MAX_SEQ_LEN, MAX_STEPS, _Public, _Spec
+from api.spec._base import MAX_BATCH, MAX_SEQ_LEN, MAX_STEPS, PricePerDeviceHour, _Public, _Spec
 from api.spec.layout import MESH_DIMS, ResolvedLayout
 from api.spec.run import Layout, ModelSpec
 
@@ -247,12 +247,8 @@ class ClusterSpec(_Spec):
         strict=True,
         description="Achieved fraction of peak of flash attention's forward (head dim 128, long s).",
     )
-    price_per_device_hour: float | None = Field(
+    price_per_device_hour: PricePerDeviceHour = Field(
         None,
-        ge=0,
-        le=1e6,
-        allow_inf_nan=False,
-        strict=True,
         description="US dollars per device (GPU, or CPU worker slot) per hour; default: the service's "
         "MESHRUN_DEVICE_PRICES, else the planner's dated table for known devices, else no money figures.",
     )

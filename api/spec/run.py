@@ -18,6 +18,7 @@ from api.spec._base import (
     MAX_VOCAB,
     MAX_WORLD_SIZE,
     NAME_RE,
+    PricePerDeviceHour,
     _Spec,
 )
 from api.spec.tracking import TrackingSpec
@@ -322,12 +323,8 @@ class ElasticSpec(_Spec):
 class RunClusterSpec(_Spec):
     """What the run's cluster costs (the planner's ``ClusterSpec`` describes the rest of it)."""
 
-    price_per_device_hour: float | None = Field(
+    price_per_device_hour: PricePerDeviceHour = Field(
         None,
-        ge=0,
-        le=1e6,
-        allow_inf_nan=False,
-        strict=True,
         description="US dollars per device (GPU, or CPU worker) per hour, for the run's cost; default: the "
         "service's MESHRUN_DEVICE_PRICES or the planner's dated table for the cluster's device.",
     )

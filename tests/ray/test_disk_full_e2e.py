@@ -6,14 +6,12 @@ listed. The checkpoint root is a real tmpfs (root needed, as in CI), the service
 from __future__ import annotations
 
 import errno
-import os
-import subprocess
 import time
 
 import httpx
 import pytest
 
-from tests.conftest import start_live_service, stop_live_service
+from tests.conftest import mounted_tmpfs, start_live_service, stop_live_service
 from tests.ray.helpers import events, submit, tiny_spec, wait_for
 
 pytestmark = pytest.mark.ray
@@ -22,18 +20,8 @@ pytestmark = pytest.mark.ray
 @pytest.fixture
 def ckpt_disk(tmp_path):
     """A real 72 MiB tmpfs: the driver counts space as back at 64 MiB free (service.runs.disk_full)."""
-    mnt = tmp_path / "ckfs"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=72m", "tmpfs", str(mnt)], capture_output=True)
-    if done.returncode != 0:
-        why = f"cannot mount a tmpfs: {done.stderr.decode().strip()}"
-        if os.geteuid() == 0:
-            pytest.fail(why)
-        pytest.skip(f"{why} (needs root)")
-    try:
+    with mounted_tmpfs(tmp_path / "ckfs", "72m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def _fill(mnt):
