@@ -99,7 +99,10 @@ def _listen_ports(name: str, service: dict[str, Any]) -> set[int]:
         if (v := _flag(argv, flag)) is not None:
             ports.add(int(v))
     if argv[:2] == ["meshrun", "serve"]:
-        ports.add(int(_env(service).get("MESHRUN_PORT", Settings.model_fields["port"].default)))
+        env = _env(service)
+        port = int(env.get("MESHRUN_PORT", Settings.model_fields["port"].default))
+        proxy = env.get("MESHRUN_RAY_PROXY_PORT")  # the Ray dashboard's own origin (service.app.ray_origin)
+        ports |= {port} | ({int(proxy) if proxy else port + 1} - {0})
     if argv[:3] == ["ray", "start", "--head"]:
         ports.add(RAY_DASHBOARD_METRIC_PORT)
     image = str(service.get("image", ""))
