@@ -171,8 +171,10 @@ def check_spec(spec: RunSpec) -> SpecCheck:
     if not custom:
         attention = cfg.name in ("gpt", "hf")  # the MLP token model has no heads to split
         kv_heads = int(cfg.args.get("n_kv_heads", cfg.n_heads))
-        if attention and kv_heads % lay.tp:
-            chk.error("layout.tp", f"tp={lay.tp} does not divide the model's {kv_heads} key/value heads; use a divisor")
+        if attention and kv_heads != cfg.n_heads and kv_heads % lay.tp:  # grouped-query attention (hf models)
+            ok = [d for d in _divisors(kv_heads) if d <= 64]
+            why = f"tp={lay.tp} does not divide the model's {kv_heads} key/value heads; use tp in {ok}"
+            chk.error("layout.tp", why)
         if attention and cfg.d_model % cfg.n_heads:
             chk.error(
                 "model.n_heads",
