@@ -137,6 +137,34 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.add_marker(pytest.mark.quick)
 
 
+# ------------------------------------------------------------------------------------------- two workers
+# The full suite and the quick lane run on two pytest-xdist workers (``-n 2 --dist loadgroup`` in pyproject's
+# addopts). Every test that uses the shared Ray cluster (``ray_cluster``/``live_service``, directly or through another
+# fixture) is in one group, ``ray``: one worker runs them all, one after another, on one Ray cluster, as before.
+# Every other test is grouped by its module (module fixtures are set up once), and the other worker takes those
+# modules one by one, tests that start their own Ray head included. The ``ray`` group is put first so its worker
+# starts on it at once (xdist hands out groups in collection order); it is the longest single piece of the suite.
+# ``-n 0`` (or ``-p no:xdist``) runs everything in one process, in the same order.
+RAY_GROUP = "ray"
+SHARED_RAY_FIXTURES = (*HEAVY_FIXTURES, "ray_service_url")  # tests/sdk's takes ``live_service`` by name at run time
+
+
+class _XdistGroups:
+    @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the group mark into the node id's suffix
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        def shared_ray(item: pytest.Item) -> bool:
+            return any(f in getattr(item, "fixturenames", ()) for f in SHARED_RAY_FIXTURES)
+
+        for item in items:
+            group = RAY_GROUP if shared_ray(item) else item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(group))
+        items.sort(key=lambda item: 0 if shared_ray(item) else 1)  # stable: each part keeps its order
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(_XdistGroups(), "meshrun-xdist-groups")
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     _session["start"] = time.monotonic()
 
