@@ -145,20 +145,31 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # modules one by one, tests that start their own Ray head included. The ``ray`` group is put first so its worker
 # starts on it at once (xdist hands out groups in collection order); it is the longest single piece of the suite.
 # ``-n 0`` (or ``-p no:xdist``) runs everything in one process, in the same order.
+#
+# The group goes into the node id here (``<id>@<group>``, what xdist's loadgroup scheduler reads) rather than through
+# an ``xdist_group`` mark: xdist 3.8 writes ``item._nodeid``, which pytest 9.2 no longer reads (ids live in
+# ``item._id``), so its marks would group nothing.
 RAY_GROUP = "ray"
 SHARED_RAY_FIXTURES = (*HEAVY_FIXTURES, "ray_service_url")  # tests/sdk's takes ``live_service`` by name at run time
 
 
+def _group_node_id(item: pytest.Item, group: str) -> None:
+    from _pytest.nodeid import NodeId
+
+    item._id = NodeId.parse(f"{item.nodeid}@{group}")  # type: ignore[attr-defined]
+
+
 class _XdistGroups:
-    @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the group mark into the node id's suffix
-    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+    @pytest.hookimpl(trylast=True)  # after every mark and `-m`: node ids are only renamed for the scheduler
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
         def shared_ray(item: pytest.Item) -> bool:
             return any(f in getattr(item, "fixturenames", ()) for f in SHARED_RAY_FIXTURES)
 
-        for item in items:
-            group = RAY_GROUP if shared_ray(item) else item.nodeid.split("::")[0]
-            item.add_marker(pytest.mark.xdist_group(group))
         items.sort(key=lambda item: 0 if shared_ray(item) else 1)  # stable: each part keeps its order
+        if not getattr(config.option, "loadgroup", False):  # not an xdist worker under --dist loadgroup
+            return
+        for item in items:
+            _group_node_id(item, RAY_GROUP if shared_ray(item) else item.nodeid.split("::")[0])
 
 
 def pytest_configure(config: pytest.Config) -> None:
