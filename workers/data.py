@@ -26,7 +26,9 @@ Sources:
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
@@ -109,8 +111,19 @@ def _read_files(paths: list[Path], cap_bytes: int | None) -> np.ndarray:
 
 
 def builtin_corpus_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+    """The standard library's own ``.py`` files, sorted. Installed packages are pruned from the walk, not filtered
+    after it: ``site-packages`` under the interpreter's lib directory can hold tens of thousands of files (walking
+    them took ~10 s per rank at every run start). Cached: the list does not change while a process runs."""
+    return list(_stdlib_sources(sysconfig.get_paths()["stdlib"]))
+
+
+@functools.cache
+def _stdlib_sources(stdlib: str) -> tuple[Path, ...]:
+    found = []
+    for d, dirs, files in os.walk(stdlib):
+        dirs[:] = [x for x in dirs if x not in ("site-packages", "dist-packages")]
+        found.extend(Path(d, f) for f in files if f.endswith(".py") and os.path.isfile(os.path.join(d, f)))
+    return tuple(sorted(found))
 
 
 def make_source(data: DataSpec, *, seq_len: int, vocab_size: int, seed: int):
