@@ -3,8 +3,9 @@
 was measured and under which settings).
 
 ``predict(run)`` prices a run with the planner exactly as a user would describe it (model sizes, device, nodes,
-layout, micro-batch, global batch, precision, checkpointing, flash attention); ``report()`` gives the step-time
-error per source and the ranking quality within each group of runs that differ only in layout / micro-batch.
+layout, micro-batch, global batch, precision, checkpointing, ``model.attention`` eager for the runs without flash
+attention, ``cluster.kernels`` eager for meshrun's own runs and megatron for the rest); ``report()`` gives the
+step-time error per source and the ranking quality within each group of runs that differ only in layout / micro-batch.
 """
 
 from __future__ import annotations
@@ -40,12 +41,12 @@ def sources() -> dict[str, dict[str, str]]:
 
 def predict(run: dict[str, Any], *, factors: Factors | None = None):
     """The planner's Candidate for a fixture run."""
-    cluster = ClusterSpec(**run["cluster"])
-    cfg = resolve_model(ModelSpec(name="gpt", preset=None, **run["model"]))
+    kernels = run.get("kernels") or ("eager" if run["source"].startswith("meshrun") else "megatron")
+    cluster = ClusterSpec(**{**run["cluster"], "kernels": kernels})
+    attention = "flash" if run.get("flash_attention", True) else "eager"
+    cfg = resolve_model(ModelSpec(name="gpt", preset=None, attention=attention, **run["model"]))
     if factors is None:
         factors = default_factors(is_cpu=resolve_device(cluster).is_cpu)
-    if not run.get("flash_attention", True):
-        factors = Factors.from_dict({**factors.to_dict(), "flash_attention": False})
     return evaluate(
         cfg,
         cluster,
