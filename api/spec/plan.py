@@ -311,6 +311,10 @@ class PlanCalibration(_Public):
     defaults: list[str] = Field(
         default_factory=list, description="Factors at the planner's defaults (not measured on this cluster)."
     )
+    held_out_error: float | None = Field(
+        None, description="Mean error on trials each predicted by a fit to the others (leave-one-out)."
+    )
+    load_avg: list[float] | None = Field(None, description="The host's 1/5/15-minute load when it was measured.")
 
     @computed_field(description="The calibration a plan used: 'calibration <id>' or 'defaults'.")  # type: ignore[prop-decorator]
     @property
