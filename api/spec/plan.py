@@ -61,8 +61,8 @@ class StepTimeBreakdown(_Public):
 
 class StepTimeInterval(_Public):
     """How far to trust ``step_time_s.total``: ``low_s``-``high_s`` is meant to hold four in five measured steps
-    (``service.planner.uncertainty``: the 10-90th percentiles of the planner's residuals on the data behind its
-    kernel profile, widened outside that data, at most 25 % each way). ``basis`` says what it rests on, ``kernels``
+    (``service.planner.uncertainty``: the 80th percentiles of the planner's residuals each way on the data behind
+    its kernel profile, widened outside that data, at most 25 % each way). ``basis`` says what it rests on, ``kernels``
     the profile."""
 
     low_s: float = 0.0

@@ -65,6 +65,12 @@ class Row:
     run: dict[str, Any]
     predicted_s: float
     measured_s: float
+    low_s: float = 0.0  # the prediction's interval (``service.planner.uncertainty``)
+    high_s: float = math.inf
+
+    @property
+    def covered(self) -> bool:
+        return self.low_s <= self.measured_s <= self.high_s
 
     @property
     def error(self) -> float:
@@ -76,7 +82,9 @@ def rows(source: str | None = None, *, factors: Factors | None = None) -> list[R
     out = []
     for r in runs(source):
         cand = predict(r, factors=factors)
-        out.append(Row(r, cand.step_time_s.total, r["step_time_s"]))
+        iv = cand.step_time_interval
+        lo, hi = (iv.low_s, iv.high_s) if iv is not None else (0.0, math.inf)
+        out.append(Row(r, cand.step_time_s.total, r["step_time_s"], lo, hi))
     return out
 
 
@@ -128,4 +136,6 @@ def summary(rs: list[Row]) -> dict[str, float]:
         "mape": statistics.fmean(errs),
         "max": max(errs),
         "bias": statistics.fmean(r.error for r in rs),
+        "covered": statistics.fmean(1.0 if r.covered else 0.0 for r in rs),
+        "widest": max(max(1 - r.low_s / r.predicted_s, r.high_s / r.predicted_s - 1) for r in rs),
     }
