@@ -211,9 +211,9 @@ def plan(
         _fail("give a FILE or --model/--preset with --global-batch-size (see meshrun plan --help)", EXIT_USAGE)
     if model is not None or preset is not None or attention is not None:
         m = dict(body.get("model") or {})
-        for k, v in (("name", model), ("preset", preset), ("attention", attention)):
-            if v is not None:
-                m[k] = v
+        for key, val in (("name", model), ("preset", preset), ("attention", attention)):
+            if val is not None:
+                m[key] = val
         body["model"] = m
     cluster = dict(body.get("cluster") or {})
     for k, v in (

@@ -54,7 +54,8 @@ PHYSICAL_BOUNDS: dict[str, tuple[float, float, bool]] = {
 
 
 class Measured(Protocol):
-    measured_tokens_per_s: float | None
+    @property
+    def measured_tokens_per_s(self) -> float | None: ...
 
     def terms(self) -> dict[str, float]: ...
 
