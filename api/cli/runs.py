@@ -249,8 +249,15 @@ def show(
         p = run.plan.predicted
         t.add_row(
             "predicted",
-            f"{_gib(p.memory_bytes.total)} GiB/rank, {p.step_time_s.total:.3f} s/step, {_rate(p.tokens_per_s)} tok/s"
-            + (f", MFU {p.mfu:.1%}" if p.mfu else ""),
+            f"{_gib(p.memory_bytes.total)} GiB/rank, {p.step_time_s.total:.3f} s/step"
+            + (
+                f" ({p.step_time_interval.low_s:.3f}-{p.step_time_interval.high_s:.3f}, {p.step_time_interval.kernels})"
+                if getattr(p, "step_time_interval", None)
+                else ""
+            )
+            + f", {_rate(p.tokens_per_s)} tok/s"
+            + (f", MFU {p.mfu:.1%}" if p.mfu else "")
+            + (f", factors: {p.calibration}" if getattr(p, "calibration", None) else ""),
         )
         mem = p.memory_bytes
         t.add_row(

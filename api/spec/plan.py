@@ -108,6 +108,9 @@ class Candidate(_Public):
     cost: CandidateCost | None = None
     attention: Literal["flash", "eager"] = "flash"
     step_time_interval: StepTimeInterval | None = None
+    calibration: str | None = Field(
+        None, description="A run's prediction: the calibration it used, 'calibration <id>' or 'defaults'."
+    )
 
 
 class Plan(_Public):
