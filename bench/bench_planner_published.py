@@ -12,7 +12,8 @@ defaults (no calibration) exactly as a user would describe it.
 cover: the share of runs whose measured step time lies in the prediction's interval (``service.planner.uncertainty``,
 meant to hold four in five); widest: the widest interval's larger side, relative to the prediction (at most 25 %).
 SC21 rows run at the micro-batches of Megatron-LM's examples/sc21/run_table_1.sh; every pre-2023 source is priced
-with ``model.attention: eager`` (unfused attention), meshrun's own rows with ``cluster.kernels: eager``.
+with ``model.attention: eager`` (unfused attention), meshrun's own rows and llm-foundry's (PyTorch under
+Composer, ``service.planner.profiles``) with ``cluster.kernels: eager``.
 
 Ranking: for each group of 3+ runs of one model on one cluster that differ in layout or micro-batch, Spearman's
 rho of predicted vs measured time per sample, and the regret of the planner's pick (measured time per sample of

@@ -17,11 +17,17 @@ device ranges of that data.
 calibration measures it): ``CPU_HALF_WIDTH`` each way.
 
 Bases (``tests/service/test_planner_uncertainty.py`` re-derives the percentiles from the data, so they cannot drift
-from the model; ``bench/bench_planner_published.py`` prints the coverage):
-- ``megatron`` on GPUs: ``tests/service/data/published_runs.json`` less meshrun's own rows (Narayanan et al. SC21,
-  Korthikanti et al. 2022, BigScience tr11, MosaicML llm-foundry: 186 runs, 125M-1T parameters, 8-3072 GPUs).
+from the model; ``bench/bench_planner_published.py`` prints the coverage). A run belongs to the basis of the profile
+it is priced with (``kernels`` in ``tests/service/data/published_runs.json``):
+- ``megatron`` on GPUs: the published Megatron-LM / Megatron-DeepSpeed runs (Narayanan et al. SC21, Korthikanti et
+  al. 2022, BigScience tr11: 38 runs, 1.7B-1T parameters, 8-3072 A100s).
 - ``eager`` on GPUs: meshrun's own rows (``tests/service/data/h100_measured.json``: 29 whole training steps of
-  meshrun-shaped GPTs of 125M-2.7B parameters on one H100, micro-batches 1-8, with and without full recompute).
+  meshrun-shaped GPTs of 125M-2.7B parameters on one H100, micro-batches 1-8, with and without full recompute) and
+  MosaicML llm-foundry's MPT tables (148 runs, 125M-70B on 8-128 A100s / H100s: PyTorch modules under Composer with
+  ``torch.autocast``, FSDP and gradient clipping, no fused Megatron kernels; ``service.planner.profiles``): 177 runs.
+  Until 2026-11-28 llm-foundry's rows were priced ``megatron`` and pooled there (0.073 / 0.300 over 186 runs): their
+  systematic -15 % bias (every H100 row too fast, by up to 45 %) then set the whole profile's upper side past the cap,
+  and the interval covered 74 % of the bench's runs.
 """
 
 from __future__ import annotations
@@ -47,8 +53,8 @@ class Basis:
 
 
 BASES: dict[str, Basis] = {
-    "megatron": Basis("published fused-kernel runs", 0.073, 0.300, 186, (1.25e8, 1.0e12), (8, 3072)),
-    "eager": Basis("meshrun's eager loop on one H100", 0.135, 0.144, 29, (1.25e8, 2.7e9), (1, 1)),
+    "megatron": Basis("published Megatron runs", 0.055, 0.123, 38, (1.7e9, 1.01e12), (8, 3072)),
+    "eager": Basis("meshrun's H100 loop and llm-foundry's runs", 0.092, 0.225, 177, (1.6e8, 6.5e10), (1, 128)),
 }
 
 

@@ -4,8 +4,9 @@ was measured and under which settings).
 
 ``predict(run)`` prices a run with the planner exactly as a user would describe it (model sizes, device, nodes,
 layout, micro-batch, global batch, precision, checkpointing, ``model.attention`` eager for the runs without flash
-attention, ``cluster.kernels`` eager for meshrun's own runs and megatron for the rest); ``report()`` gives the
-step-time error per source and the ranking quality within each group of runs that differ only in layout / micro-batch.
+attention, ``cluster.kernels`` eager for meshrun's own runs and llm-foundry's, megatron for the rest); ``report()``
+gives the step-time error per source and the ranking quality within each group of runs that differ only in layout /
+micro-batch.
 """
 
 from __future__ import annotations
@@ -39,10 +40,15 @@ def sources() -> dict[str, dict[str, str]]:
     return load()["sources"]
 
 
+def kernels(run: dict[str, Any]) -> str:
+    """The kernel profile a fixture run is priced with: its ``kernels`` (llm-foundry's rows: eager), else eager for
+    meshrun's own runs and megatron for the rest."""
+    return run.get("kernels") or ("eager" if run["source"].startswith("meshrun") else "megatron")
+
+
 def predict(run: dict[str, Any], *, factors: Factors | None = None):
     """The planner's Candidate for a fixture run."""
-    kernels = run.get("kernels") or ("eager" if run["source"].startswith("meshrun") else "megatron")
-    cluster = ClusterSpec(**{**run["cluster"], "kernels": kernels})
+    cluster = ClusterSpec(**{**run["cluster"], "kernels": kernels(run)})
     attention = "flash" if run.get("flash_attention", True) else "eager"
     cfg = resolve_model(ModelSpec(name="gpt", preset=None, attention=attention, **run["model"]))
     if factors is None:

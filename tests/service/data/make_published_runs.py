@@ -82,7 +82,9 @@ SOURCES = {
         "settings": (
             "MPT (GPT-shaped: no biases, ALiBi, vocab 50368, d_ff = 4 d_model), triton flash attention, FSDP "
             "FULL_SHARD (ZeRO-3 over all GPUs), bf16, micro-batch and gradient accumulation as listed, activation"
-            " checkpointing True = full; rows with sequence <= 8192 kept"
+            " checkpointing True = full; rows with sequence <= 8192 kept; priced with cluster.kernels eager:"
+            " llm-foundry trains PyTorch modules under Composer with torch.autocast (precision amp_bf16) and gradient"
+            " clipping, one kernel per op, none of Megatron's fused kernels"
         ),
         "step_time": "step_time_s = GlobalBatchSize(T) / Throughput(T/s)",
     },
@@ -403,6 +405,7 @@ for device, table in (("H100", H100), ("A100-80GB", A100_80), ("A100-40GB", A100
             precision="bf16",
             activation_checkpointing="full" if ckpt else "none",
             flash_attention=True,
+            kernels="eager",
             published=dict(mfu_percent=mfu, tokens_per_s=tps, global_batch_tokens=gbs_tok, grad_accum=ga),
             step_time_s=gbs_tok / tps,
         )
