@@ -9,6 +9,12 @@ defaults (no calibration) exactly as a user would describe it.
     python bench/bench_planner_published.py -v         # and every run
     python bench/bench_planner_published.py --source bigscience_tr11 -v
 
+cover: the share of runs whose measured step time lies in the prediction's interval (``service.planner.uncertainty``,
+meant to hold four in five); widest: the widest interval's larger side, relative to the prediction (at most 25 %).
+SC21 rows run at the micro-batches of Megatron-LM's examples/sc21/run_table_1.sh; every pre-2023 source is priced
+with ``model.attention: eager`` (unfused attention), meshrun's own rows and llm-foundry's (PyTorch under
+Composer, ``service.planner.profiles``) with ``cluster.kernels: eager``.
+
 Ranking: for each group of 3+ runs of one model on one cluster that differ in layout or micro-batch, Spearman's
 rho of predicted vs measured time per sample, and the regret of the planner's pick (measured time per sample of
 the layout the planner ranks first / the best measured one - 1).
@@ -36,11 +42,12 @@ def main() -> int:
     by: dict[str, list[P.Row]] = {}
     for r in rows:
         by.setdefault(r.run["source"], []).append(r)
-    print(f"{'source':<22} {'runs':>4} {'MAPE':>6} {'max':>6} {'bias':>6}  what")
+    print(f"{'source':<22} {'runs':>4} {'MAPE':>6} {'max':>6} {'bias':>6} {'cover':>6} {'widest':>6}  what")
     for source, rs in by.items():
         s = P.summary(rs)
         print(
-            f"{source:<22} {s['n']:>4} {s['mape']:>6.1%} {s['max']:>6.1%} {s['bias']:>+6.1%}  "
+            f"{source:<22} {s['n']:>4} {s['mape']:>6.1%} {s['max']:>6.1%} {s['bias']:>+6.1%} {s['covered']:>6.0%} "
+            f"{s['widest']:>6.0%}  "
             f"{P.sources()[source]['title'][:70]}"
         )
         if args.verbose:
@@ -54,10 +61,13 @@ def main() -> int:
                 )
                 print(
                     f"    {r.run['id']:<50} measured {r.measured_s:9.3f} s  predicted {r.predicted_s:9.3f} s "
-                    f"{r.error:+6.1%}  ({terms})"
+                    f"{r.error:+6.1%} [{r.low_s:.3f}, {r.high_s:.3f}]{'' if r.covered else ' MISS'}  ({terms})"
                 )
     allm = P.summary(rows)
-    print(f"{'all':<22} {allm['n']:>4} {allm['mape']:>6.1%} {allm['max']:>6.1%} {allm['bias']:>+6.1%}")
+    print(
+        f"{'all':<22} {allm['n']:>4} {allm['mape']:>6.1%} {allm['max']:>6.1%} {allm['bias']:>+6.1%} "
+        f"{allm['covered']:>6.0%} {allm['widest']:>6.0%}"
+    )
 
     groups = P.ranking(rows)
     if groups:

@@ -53,6 +53,29 @@ def breakdown_str(step: Any) -> str:
     return " ".join(f"{short} {share:.0%}" for short, share in sorted(parts, key=lambda p: -p[1]) if share >= 0.01)
 
 
+def step_cell(c: Any) -> str:
+    """'0.412 -5%/+21%': the predicted step time and the extent of its interval each way."""
+    iv = getattr(c, "step_time_interval", None)
+    cell = f"{c.step_time_s.total:.3f}"
+    return cell + (f" -{iv.below:.0%}/+{iv.above:.0%}" if iv is not None and iv.above > 0 else "")
+
+
+def _model_note(resp: Any) -> str:
+    """Attention, kernel profile, what the intervals rest on, and the candidates they cannot tell apart."""
+    cl = resp.cluster
+    first = resp.candidates[0] if resp.candidates else None
+    iv = getattr(first, "step_time_interval", None)
+    note = f"attention: {getattr(resp.model, 'attention', 'flash')}; kernels: {cl.get('kernels', 'megatron')}"
+    if iv is not None:
+        note += f"; step s -x%/+y%: the 80% interval ({iv.basis})"
+    ties = list(getattr(resp, "within_uncertainty", None) or [])
+    if ties:
+        note += "\nwithin uncertainty of #1 (measure them: meshrun sweep --layouts auto): " + ", ".join(
+            f"#{i + 1}" for i in ties
+        )
+    return note
+
+
 def _calibration_note(resp: Any) -> str:
     cal = getattr(resp, "calibration", None)
     if cal is None or getattr(cal, "source", "default") != "measured":
@@ -73,7 +96,10 @@ def plan_table(resp: Any, *, show_rejected: bool = False) -> Table:
     t.caption = (
         "mb: micro-batch size; ckpt: activation checkpointing; GiB: predicted peak memory per GPU; "
         "breakdown: predicted share of the step (comp compute, tp/pp/dp communication, bubble pipeline idle, "
-        "opt optimizer; dp counts only what the backward pass does not hide)\n" + _calibration_note(resp)
+        "opt optimizer; dp counts only what the backward pass does not hide)\n"
+        + _model_note(resp)
+        + "\n"
+        + _calibration_note(resp)
     )
     costs = [c.cost for c in resp.candidates if c.cost is not None]
     priced = any(k.usd_per_step is not None for k in costs)
@@ -106,7 +132,7 @@ def plan_table(resp: Any, *, show_rejected: bool = False) -> Table:
             str(c.micro_batch_size),
             c.activation_checkpointing,
             _gib(c.memory_bytes.total),
-            f"{c.step_time_s.total:.3f}",
+            step_cell(c),
             _rate(c.tokens_per_s),
             _pct(c.mfu),
             *_cost_cells(c.cost, cost_cols),
@@ -151,6 +177,10 @@ def plan(
     ),
     price: Optional[float] = typer.Option(None, "--price", min=0, help="US dollars per device-hour."),
     steps: Optional[int] = typer.Option(None, "--steps", min=1, help="The run's steps: cost of all of them."),
+    attention: Optional[str] = typer.Option(None, help="flash (default) | eager: unfused softmax(QK^T)V attention."),
+    kernels: Optional[str] = typer.Option(
+        None, help="megatron (fused kernels, the default) | eager (meshrun's own PyTorch loop)."
+    ),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Predict memory, step time, tokens/s and MFU of layouts before running anything."""
@@ -171,18 +201,19 @@ def plan(
                 body["steps"] = data["train"]["steps"]
             if (data.get("cluster") or {}).get("price_per_device_hour") is not None:
                 body["cluster"] = {"price_per_device_hour": data["cluster"]["price_per_device_hour"]}
+            # a meshrun run: its own eager loop, fused-kernel figures when compiled (service/planner/profiles.py)
+            body.setdefault("cluster", {})["kernels"] = "megatron" if data.get("compile") else "eager"
             if keep_layout:
                 body["layout"] = data.get("layout", {})
                 if (data.get("batch") or {}).get("micro_batch_size"):
                     body["micro_batch_size"] = data["batch"]["micro_batch_size"]
     elif model is None and preset is None:
         _fail("give a FILE or --model/--preset with --global-batch-size (see meshrun plan --help)", EXIT_USAGE)
-    if model is not None or preset is not None:
+    if model is not None or preset is not None or attention is not None:
         m = dict(body.get("model") or {})
-        if model is not None:
-            m["name"] = model
-        if preset is not None:
-            m["preset"] = preset
+        for key, val in (("name", model), ("preset", preset), ("attention", attention)):
+            if val is not None:
+                m[key] = val
         body["model"] = m
     cluster = dict(body.get("cluster") or {})
     for k, v in (
@@ -190,6 +221,7 @@ def plan(
         ("gpus_per_node", gpus_per_node),
         ("nodes", nodes),
         ("price_per_device_hour", price),
+        ("kernels", kernels),
     ):
         if v is not None:
             cluster[k] = v

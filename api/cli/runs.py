@@ -247,10 +247,14 @@ def show(
         )
     if run.plan and run.plan.predicted:
         p = run.plan.predicted
+        iv = getattr(p, "step_time_interval", None)
         t.add_row(
             "predicted",
-            f"{_gib(p.memory_bytes.total)} GiB/rank, {p.step_time_s.total:.3f} s/step, {_rate(p.tokens_per_s)} tok/s"
-            + (f", MFU {p.mfu:.1%}" if p.mfu else ""),
+            f"{_gib(p.memory_bytes.total)} GiB/rank, {p.step_time_s.total:.3f} s/step"
+            + (f" ({iv.low_s:.3f}-{iv.high_s:.3f}, {iv.kernels})" if iv is not None else "")
+            + f", {_rate(p.tokens_per_s)} tok/s"
+            + (f", MFU {p.mfu:.1%}" if p.mfu else "")
+            + (f", factors: {p.calibration}" if getattr(p, "calibration", None) else ""),
         )
         mem = p.memory_bytes
         t.add_row(

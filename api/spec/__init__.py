@@ -47,6 +47,7 @@ from api.spec.plan import (
     PlanRequest,
     PlanResponse,
     StepTimeBreakdown,
+    StepTimeInterval,
 )
 from api.spec.public import (
     TERMINAL_STATUSES,
@@ -196,6 +197,7 @@ __all__ = [
     "SpecError",
     "SpecIssue",
     "StepTimeBreakdown",
+    "StepTimeInterval",
     "SweepBudget",
     "SweepCreate",
     "SweepEventList",

@@ -25,6 +25,7 @@ class ModelConfig(_Public):
     seq_len: int
     d_ff: int
     n_params: int
+    attention: Literal["flash", "eager"] = "flash"
     entrypoint: str | None = None
     args: dict[str, Any] = Field(default_factory=dict)
 
@@ -56,6 +57,20 @@ class StepTimeBreakdown(_Public):
     optimizer: float = 0.0
     other: float = 0.0
     dp_comm_total: float = 0.0
+
+
+class StepTimeInterval(_Public):
+    """How far to trust ``step_time_s.total``: ``low_s``-``high_s`` is meant to hold four in five measured steps
+    (``service.planner.uncertainty``: the 80th percentiles of the planner's residuals each way on the data behind
+    its kernel profile, widened outside that data, at most 25 % each way). ``basis`` says what it rests on, ``kernels``
+    the profile."""
+
+    low_s: float = 0.0
+    high_s: float = 0.0
+    below: float = Field(0.0, description="low_s = total x (1 - below)")
+    above: float = Field(0.0, description="high_s = total x (1 + above)")
+    kernels: str = "megatron"
+    basis: str = ""
 
 
 PriceSource = Literal["request", "settings", "default", "none"]
@@ -91,6 +106,11 @@ class Candidate(_Public):
     feasible: bool
     reason: str = ""
     cost: CandidateCost | None = None
+    attention: Literal["flash", "eager"] = "flash"
+    step_time_interval: StepTimeInterval | None = None
+    calibration: str | None = Field(
+        None, description="A run's prediction: the calibration it used, 'calibration <id>' or 'defaults'."
+    )
 
 
 class Plan(_Public):
@@ -247,6 +267,12 @@ class ClusterSpec(_Spec):
         strict=True,
         description="Achieved fraction of peak of flash attention's forward (head dim 128, long s).",
     )
+    kernels: Literal["megatron", "eager"] | None = Field(
+        None,
+        description="Kernel profile (service/planner/profiles.py): 'megatron' (fused kernels: Megatron-LM, "
+        "DeepSpeed, llm-foundry) or 'eager' (meshrun's own PyTorch loop: one kernel per op, autocast over fp32 "
+        "weights). Default: 'megatron' for plans; a meshrun run is predicted with 'eager' unless compiled.",
+    )
     price_per_device_hour: PricePerDeviceHour = Field(
         None,
         description="US dollars per device (GPU, or CPU worker slot) per hour; default: the service's "
@@ -285,6 +311,18 @@ class PlanCalibration(_Public):
     sweep_id: str | None = None
     error_before: float | None = None
     error_after: float | None = None
+    defaults: list[str] = Field(
+        default_factory=list, description="Factors at the planner's defaults (not measured on this cluster)."
+    )
+    held_out_error: float | None = Field(
+        None, description="Mean error on trials each predicted by a fit to the others (leave-one-out)."
+    )
+    load_avg: list[float] | None = Field(None, description="The host's 1/5/15-minute load when it was measured.")
+
+    @computed_field(description="The calibration a plan used: 'calibration <id>' or 'defaults'.")  # type: ignore[prop-decorator]
+    @property
+    def used(self) -> str:
+        return f"calibration {self.calibration_id}" if self.source == "measured" else "defaults"
 
 
 class PlanResponse(_Public):
@@ -295,3 +333,8 @@ class PlanResponse(_Public):
     evaluated: int = 0
     elapsed_s: float = 0.0
     calibration: PlanCalibration = Field(default_factory=PlanCalibration)
+    within_uncertainty: list[int] = Field(
+        default_factory=list,
+        description="Indexes of the candidates whose step-time interval overlaps the first's (the first included, "
+        "when any other does): the planner cannot tell them apart; measure them (a sweep with layouts 'auto' does).",
+    )

@@ -51,6 +51,13 @@ class ModelSpec(_Spec):
     vocab_size: int | None = Field(None, ge=2, le=MAX_VOCAB)
     seq_len: int | None = Field(None, ge=1, le=MAX_SEQ_LEN)
     d_ff: int | None = Field(None, ge=1, le=4 * MAX_D_MODEL)
+    attention: Literal["flash", "eager"] = Field(
+        "flash",
+        description="Attention kernels: 'flash' (fused SDPA/flash: no s x s scores stored) or 'eager' (the math "
+        "path softmax(QK^T)V: two batched GEMMs, a memory-bound softmax, the s x s probabilities kept for backward; "
+        "models without flash kernels and pre-2023 stacks). The planner prices memory and time by it; the built-in "
+        "models run the math path when 'eager' is asked for.",
+    )
     # user models (bring your own model)
     entrypoint: str | None = Field(None, description="'package.module:function' returning a torch.nn.Module.")
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the entrypoint.")

@@ -123,6 +123,7 @@ def resolve_model(model: ModelSpec) -> ModelConfig:
         n_params=n_params,
         entrypoint=model.entrypoint,
         args=model.args,
+        attention=model.attention,
         **sizes,
     )
 
@@ -146,7 +147,7 @@ def _resolve_hf(model: ModelSpec) -> ModelConfig:
     if args["arch"] == "gpt2" and seq_len > n_pos:
         raise SpecError([SpecIssue("model.seq_len", f"seq_len={seq_len} exceeds the model's {n_pos} positions")])
     n_params = hf_param_count(**sizes, args=args)
-    return ModelConfig(name="hf", seq_len=seq_len, n_params=n_params, args=args, **sizes)
+    return ModelConfig(name="hf", seq_len=seq_len, n_params=n_params, args=args, attention=model.attention, **sizes)
 
 
 def check_spec(spec: RunSpec) -> SpecCheck:

@@ -22,7 +22,7 @@ from service.planner import Factors, best_alternative, predict_run
 from service.security.policy import check_spec_policy
 from service.settings import Settings
 from service.store import controller
-from service.store.calibrations import cluster_key, latest_factors
+from service.store.calibrations import cluster_key, latest_calibration, latest_factors
 from service.store.models import Run
 from service.sweeps import cancel_trial_run
 
@@ -65,8 +65,12 @@ def predict(
     cluster = runtime.planning_cluster() if runtime is not None else None
     if cluster is None:
         return None, None, None
-    factors = latest_factors(session, cluster_key(cluster))  # fitted by a sweep on this cluster, or the defaults
-    return predict_run(spec, plan, cluster, factors=factors, prices=prices), cluster, factors
+    key = cluster_key(cluster)
+    factors = latest_factors(session, key)  # fitted by a sweep on this cluster (not rejected), or the defaults
+    cal = latest_calibration(session, key) if factors is not None else None
+    pred = predict_run(spec, plan, cluster, factors=factors, prices=prices)
+    used = f"calibration {cal.id}" if cal is not None else "defaults"
+    return pred.model_copy(update={"calibration": used}), cluster, factors
 
 
 def check_fits(

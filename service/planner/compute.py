@@ -46,11 +46,13 @@ from service.planner import comm
 from service.planner.devices import Device
 from service.planner.factors import Factors
 from service.planner.kernels import NORM_BANDWIDTH_FRACTION, attention_time, gemm_time, memory_time
+from service.planner.profiles import MEGATRON, KernelProfile
 
-LAUNCHES_FWD = 14  # kernels a layer's forward launches (GEMMs, attention, norms, residuals, activation, copies)
-LAUNCHES_BWD = 28  # and its backward (input and weight gradients, bias and norm parameter gradients)
-OPTIMIZER_BYTES_PER_PARAM = 36  # fused Adam: fp32 master/momentum/variance read+write, grad read, norm, zeroing
-OPTIMIZER_LAUNCHES = 20
+# the fused (megatron) profile's figures, kept under their earlier names (``service.planner.profiles`` documents them)
+LAUNCHES_FWD = MEGATRON.launches_fwd  # kernels a layer's forward launches (GEMMs, attention, norms, residuals, ...)
+LAUNCHES_BWD = MEGATRON.launches_bwd  # and its backward (input and weight gradients, bias and norm gradients)
+OPTIMIZER_BYTES_PER_PARAM = MEGATRON.optimizer_bytes_per_param  # fused Adam: fp32 states read+write, grad read
+OPTIMIZER_LAUNCHES = MEGATRON.optimizer_launches
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class Shape:
     block_params: float
     embed_params: float
     head_params: float
+    flash: bool = True  # model.attention 'flash' (fused kernels, no s^2 scores kept) or 'eager' (False)
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> Shape:
@@ -83,7 +86,8 @@ class Shape:
             n = cfg.n_params or gpt_param_count(n_layers=L, d_model=h, vocab_size=V, seq_len=s, d_ff=f)
             if n != L * block + embed + head and n > embed + head:  # a user model with its own count
                 block = (n - embed - head) / L
-        return cls(cfg.name, L, h, a, V, s, f, float(block), float(embed), float(head))
+        flash = cfg.attention != "eager"
+        return cls(cfg.name, L, h, a, V, s, f, float(block), float(embed), float(head), flash)
 
     @property
     def attention(self) -> bool:
@@ -126,6 +130,11 @@ class Env:
     peak: float
     act_bytes: int
     gpus_per_node: int
+    prof: KernelProfile = MEGATRON
+
+    def flash(self, sh: Shape) -> bool:
+        """Fused (flash) attention: the model asks for it and the stack has it (``Factors.flash_attention``)."""
+        return sh.flash and self.fac.flash_attention
 
     def gemm(self, m: float, n: float, k: float) -> tuple[float, float, float]:
         """(forward, input-gradient, weight-gradient) seconds of a linear layer ``(m x k) @ (k x n)``."""
@@ -178,23 +187,32 @@ def layer_cost(env: Env, sh: Shape, *, mb: int, t: int, sp: bool, recompute: str
             s=s,
             d=h / sh.a,
             peak=env.peak,
-            flash=env.fac.flash_attention,
+            flash=env.flash(sh),
             act_bytes=e,
             compute_scale=env.fac.compute_efficiency,
             memory_scale=env.fac.memory_efficiency,
             fixed_scale=env.fac.launch_scale,
+            softmax_passes=env.prof.softmax_passes,
         )
         fwd += attn_f
         bwd_in += attn_b
     norms = 2 if sh.attention else 1
     residuals = 2 if sh.attention else 1
-    fwd += norms * env.mem(2 * mr * h * e / NORM_BANDWIDTH_FRACTION)
-    fwd += residuals * env.mem(3 * mr * h * e) + env.mem(2 * m * f / t * e)
-    bwd_in += norms * env.mem(3 * mr * h * e / NORM_BANDWIDTH_FRACTION)
-    bwd_in += residuals * env.mem(2 * mr * h * e) + env.mem(3 * m * f / t * e)
+    sb = 4 if env.prof.fp32_stream else e  # bytes of a residual-stream element
+    fwd += norms * env.mem(2 * mr * h * sb / NORM_BANDWIDTH_FRACTION)
+    fwd += residuals * env.mem(mr * h * (2 * sb + e)) + env.mem(2 * m * f / t * e)
+    bwd_in += norms * env.mem(3 * mr * h * sb / NORM_BANDWIDTH_FRACTION)
+    bwd_in += residuals * env.mem(2 * mr * h * sb) + env.mem(3 * m * f / t * e)
+    if sb != e:  # each norm's fp32 output cast to the GEMM's 16-bit input, and its gradient back
+        fwd += norms * env.mem(mr * h * (sb + e))
+        bwd_in += norms * env.mem(mr * h * (sb + e))
     if sh.attention:  # head split / merge copies
         fwd += env.mem(2 * m * h / t * e)
         bwd_in += env.mem(2 * m * h / t * e)
+    cast_f, cast_b = env.prof.weight_cast_bytes
+    if e == 2 and cast_f + cast_b > 0:  # autocast over fp32 weights: one cast per weight, fwd and bwd
+        fwd += 6 * env.mem(cast_f * sh.block_params / t / 6)
+        bwd_w += 6 * env.mem(cast_b * sh.block_params / t / 6)
 
     tp_f = tp_b = 0.0
     if t > 1:
@@ -202,15 +220,18 @@ def layer_cost(env: Env, sh: Shape, *, mb: int, t: int, sp: bool, recompute: str
         n = m * h * e
         one = 2 * comm.all_gather(n, t, ln) if sp else comm.all_reduce(n, t, ln)
         tp_f = tp_b = 2 * one
+    prof = env.prof
+    lf, lb = prof.launches_fwd, prof.launches_bwd
+    if sh.attention and not env.flash(sh):
+        lf += prof.eager_attention_launches[0]
+        lb += prof.eager_attention_launches[1]
     rec = tp_rec = launches_rec = 0.0
     if recompute == "full":
-        rec, tp_rec, launches_rec = fwd, tp_f, LAUNCHES_FWD
-    elif recompute == "selective" and sh.attention and not env.fac.flash_attention:
-        rec, launches_rec = attn_f, 3
+        rec, tp_rec, launches_rec = fwd, tp_f, lf
+    elif recompute == "selective" and sh.attention and not env.flash(sh):
+        rec, launches_rec = attn_f, 1 + prof.eager_attention_launches[0]
     scale = 1.0 if sh.attention else 0.5
-    return Cost(
-        fwd, bwd_in, bwd_w, rec, tp_f, tp_b, tp_rec, LAUNCHES_FWD * scale, LAUNCHES_BWD * scale, launches_rec * scale
-    )
+    return Cost(fwd, bwd_in, bwd_w, rec, tp_f, tp_b, tp_rec, lf * scale, lb * scale, launches_rec * scale)
 
 
 def head_cost(env: Env, sh: Shape, *, mb: int, t: int, sp: bool) -> Cost:
@@ -220,8 +241,10 @@ def head_cost(env: Env, sh: Shape, *, mb: int, t: int, sp: bool) -> Cost:
     mr = m / t if sp else m
     a, b, c = env.gemm(m, sh.V / t, sh.h)
     logits = m * sh.V / t
-    fwd = a + env.mem(2 * mr * sh.h * e / NORM_BANDWIDTH_FRACTION) + 3 * env.mem(logits * 4)
-    bwd_in = b + env.mem(3 * mr * sh.h * e / NORM_BANDWIDTH_FRACTION) + 2 * env.mem(logits * (4 + e))
+    lf, lb = env.prof.loss_bytes
+    sb = 4 if env.prof.fp32_stream else e
+    fwd = a + env.mem(2 * mr * sh.h * sb / NORM_BANDWIDTH_FRACTION) + 3 * env.mem(logits * lf / 3)
+    bwd_in = b + env.mem(3 * mr * sh.h * sb / NORM_BANDWIDTH_FRACTION) + 2 * env.mem(logits * lb * (4 + e) / 12)
     tp = 0.0
     if t > 1:
         ln = env.tp_link(t)
@@ -245,9 +268,11 @@ def embed_cost(env: Env, sh: Shape, *, mb: int, t: int, sp: bool) -> Cost:
 
 
 def optimizer_time(env: Env, local_params: float) -> float:
-    """The optimizer step over the rank's parameter shard: memory-bound (``OPTIMIZER_BYTES_PER_PARAM``)."""
+    """The optimizer step over the rank's parameter shard: memory-bound (the profile's
+    ``optimizer_bytes_per_param``; 36 fused, 48 with meshrun's gradient clipping) plus its launches."""
     if local_params <= 0:
         return 0.0
-    return OPTIMIZER_LAUNCHES * env.dev.kernel_fixed_s * env.fac.launch_scale + env.mem(
-        local_params * OPTIMIZER_BYTES_PER_PARAM
+    prof = env.prof
+    return prof.optimizer_launches * env.dev.kernel_fixed_s * env.fac.launch_scale + env.mem(
+        local_params * prof.optimizer_bytes_per_param
     )

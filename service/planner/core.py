@@ -29,7 +29,8 @@ Step time (``StepTimeBreakdown``; seconds per optimizer step on the most loaded 
   ZeRO-3, its backward) and reduce-scatter its gradients, every micro-batch, prefetched under the previous unit's
   compute: a unit's transfer shows only where it outlasts that compute; HSDP adds a once-per-step all-reduce of
   the shards across replicas;
-- optimizer: the step over the local shard, memory-bound; other: ``factors.step_overhead_s``.
+- optimizer: the step over the local shard, memory-bound; other: ``factors.step_overhead_s`` plus the kernel
+  profile's host time per step and per micro-batch (``service.planner.profiles``: ``megatron`` or ``eager``).
 MFU = model FLOPs (no recompute) / (total x world x peak).
 """
 
@@ -40,13 +41,22 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
-from api.spec import Candidate, ClusterSpec, MemoryBreakdown, ModelConfig, ResolvedLayout, StepTimeBreakdown
-from service.planner import comm
+from api.spec import (
+    Candidate,
+    ClusterSpec,
+    MemoryBreakdown,
+    ModelConfig,
+    ResolvedLayout,
+    StepTimeBreakdown,
+    StepTimeInterval,
+)
+from service.planner import comm, uncertainty
 from service.planner import formulas as F
 from service.planner.compute import Cost, Env, Shape, embed_cost, head_cost, layer_cost, optimizer_time
 from service.planner.devices import Device, GiB, MiB, resolve_device
 from service.planner.factors import Factors, default_factors
 from service.planner.pipeline import pipeline_step
+from service.planner.profiles import MEGATRON, KernelProfile, profile
 
 COMM_BUFFER_BYTES = 256 * MiB  # NCCL buffers per process group in use
 # Communication that overlaps compute still slows it: NCCL kernels hold SMs (one block per channel, 8-32 channels
@@ -87,6 +97,7 @@ class Ctx:
     gpus_per_node: int
     global_batch_size: int
     precision: str
+    prof: KernelProfile = MEGATRON
 
     @property
     def act_bytes(self) -> int:
@@ -98,7 +109,7 @@ class Ctx:
 
     @property
     def env(self) -> Env:
-        return Env(self.dev, self.fac, self.peak, self.act_bytes, self.gpus_per_node)
+        return Env(self.dev, self.fac, self.peak, self.act_bytes, self.gpus_per_node, self.prof)
 
 
 def make_ctx(
@@ -113,7 +124,8 @@ def make_ctx(
     dev = resolve_device(cluster)
     dev.peak_flops_per_s(precision)  # raises for an unsupported precision
     fac = factors if factors is not None else default_factors(is_cpu=dev.is_cpu)
-    return Ctx(Shape.of(cfg), dev, fac, world, cluster.gpus_per_node, global_batch_size, precision)
+    prof = profile(cluster.kernels)
+    return Ctx(Shape.of(cfg), dev, fac, world, cluster.gpus_per_node, global_batch_size, precision, prof)
 
 
 # ------------------------------------------------------------------------------------------------ layers
@@ -162,8 +174,9 @@ def _act_per_layer(c: Ctx, lay: ResolvedLayout, mb: int, recompute: str) -> floa
         tp=lay.tp,
         sequence_parallel=lay.sequence_parallel,
         recompute=recompute,
-        flash_attention=c.fac.flash_attention,
+        flash_attention=sh.flash and c.fac.flash_attention,
         act_bytes=c.act_bytes,
+        score_bytes=c.prof.score_bytes,
     )
 
 
@@ -237,7 +250,7 @@ def _overlap(dev_s: float, host_s: float) -> float:
 
 def _passes(c: Ctx, cost: Cost, launch_s: float) -> tuple[float, float, float, float]:
     """(forward, backward incl. recompute, weight-gradient part, tensor-parallel comm) of a pass, host-bounded."""
-    rs = c.fac.recompute_scale
+    rs = c.fac.recompute_scale * c.prof.recompute_host_scale
     tp_f, tp_b = cost.tp_fwd, cost.tp_bwd + cost.tp_recompute
     dev_f = cost.fwd + tp_f
     dev_b = cost.bwd_input + cost.bwd_weight + cost.recompute + tp_b
@@ -254,7 +267,7 @@ def step_time(c: Ctx, lay: ResolvedLayout, mb: int, recompute: str) -> Time:
     m = max(1, c.global_batch_size // (mb * dp))
     env = c.env
     lc, ec, hc = _costs(env, sh, mb, t, lay.sequence_parallel, recompute)
-    launch = dev.kernel_launch_s * fac.launch_scale
+    launch = max(dev.kernel_launch_s, c.prof.host_op_s) * fac.launch_scale
     lf, lb, lw, ltp = _passes(c, lc, launch)
     ef, eb, ew, etp = _passes(c, ec, launch)
     hf, hb, hw, htp = _passes(c, hc, launch)
@@ -304,7 +317,7 @@ def step_time(c: Ctx, lay: ResolvedLayout, mb: int, recompute: str) -> Time:
     else:
         opt_s = optimizer_time(env, opt_local)
     opt_s *= fac.optimizer_scale
-    other = fac.step_overhead_s
+    other = fac.step_overhead_s + c.prof.step_overhead_s + m * c.prof.microbatch_overhead_s
     total = compute + tp_comm + pp_comm + bubble + dp_exposed + opt_s + other
     return Time(compute, tp_comm, pp_comm, bubble, dp_exposed, opt_s, other, dp_total, total)
 
@@ -492,4 +505,21 @@ def candidate(
         mfu=mfu,
         feasible=feasible,
         reason=reason,
+        attention="flash" if c.shape.flash else "eager",
+        step_time_interval=interval(c, tm.total) if tm is not None and 0 < tm.total < math.inf else None,
+    )
+
+
+def interval(c: Ctx, total_s: float) -> StepTimeInterval:
+    """The interval of a predicted step time (``service.planner.uncertainty``)."""
+    sh = c.shape
+    n_params = sh.L * sh.block_params + sh.embed_params + sh.head_params
+    below, above, basis = uncertainty.bounds(c.prof.name, is_cpu=c.dev.is_cpu, n_params=n_params, world=c.world)
+    return StepTimeInterval(
+        low_s=total_s * (1 - below),
+        high_s=total_s * (1 + above),
+        below=below,
+        above=above,
+        kernels=c.prof.name,
+        basis=basis,
     )

@@ -72,6 +72,7 @@ def activation_bytes_per_layer(
     recompute: Recompute = "none",
     flash_attention: bool = False,
     act_bytes: int = 2,
+    score_bytes: float = 5,
 ) -> float:
     """Activation bytes one transformer layer keeps for backward (Korthikanti et al. 2022, table 2).
 
@@ -79,14 +80,15 @@ def activation_bytes_per_layer(
     ``sbh(34/t + 5as/(ht))``; selective recompute drops the ``5as/h`` (softmax) term; full recompute keeps
     the layer input only, ``2sbh`` (``2sbh/t`` with sequence parallelism, whose input is sharded).
     ``flash_attention`` drops the softmax term too (fused kernels do not store it). fp32 activations
-    (``act_bytes=4``) count twice.
+    (``act_bytes=4``) count twice. ``score_bytes``: bytes kept per attention score, Korthikanti's 5 (softmax output
+    2, dropout mask 1, dropout output 2); 2 without dropout (the probabilities only: meshrun's eager attention).
     """
     s, b, h, a, t = seq_len, micro_batch_size, d_model, n_heads, tp
     sbh = s * b * h
     scale = act_bytes / 2
     if recompute == "full":
         return scale * 2 * sbh / (t if sequence_parallel else 1)
-    softmax = 0.0 if (recompute == "selective" or flash_attention) else 5 * a * s / (h * t)
+    softmax = 0.0 if (recompute == "selective" or flash_attention) else score_bytes * a * s / (h * t)
     if sequence_parallel:
         per = 34 / t
     else:

@@ -86,9 +86,11 @@ def attention_time(
     compute_scale: float = 1.0,
     memory_scale: float = 1.0,
     fixed_scale: float = 1.0,
+    softmax_passes: tuple[float, float] = (3, 6),
 ) -> tuple[float, float]:
     """(forward, backward) seconds of causal self-attention over ``batch_heads`` (b x heads) sequences of length
-    ``s`` with head dim ``d``."""
+    ``s`` with head dim ``d``. ``softmax_passes``: (forward, backward) passes over the 16-bit scores of the unfused
+    path (the kernel profile's, ``service.planner.profiles``)."""
     if batch_heads <= 0:
         return 0.0, 0.0
     fwd_flops = 2.0 * batch_heads * s * s * d  # causal half of 4 b h s^2 d
@@ -103,8 +105,11 @@ def attention_time(
     kw = dict(peak=peak, elem_bytes=act_bytes, compute_scale=compute_scale, fixed_scale=fixed_scale, batch=batch_heads)
     qk = gemm_time(dev, s, s, d, **kw)
     pv = gemm_time(dev, s, d, s, **kw)
-    soft = memory_time(dev, batch_heads * s * s * act_bytes * 3, memory_scale=memory_scale, fixed_scale=fixed_scale)
-    return qk + pv + soft, 2 * (qk + pv) + 2 * soft
+    scores = batch_heads * s * s * act_bytes
+    mkw = dict(memory_scale=memory_scale, fixed_scale=fixed_scale)
+    soft_f = memory_time(dev, scores * softmax_passes[0], **mkw)
+    soft_b = memory_time(dev, scores * softmax_passes[1], **mkw) + dev.kernel_fixed_s * fixed_scale  # two kernels
+    return qk + pv + soft_f, 2 * (qk + pv) + soft_b
 
 
 def memory_time(dev: Device, nbytes: float, *, memory_scale: float = 1.0, fixed_scale: float = 1.0) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
@@ -36,6 +37,7 @@ from service.planner.core import Ctx, Mem, Time, candidate, make_ctx, memory, oo
 from service.planner.devices import device_figures
 from service.planner.factors import Factors
 from service.planner.prices import resolve_price, with_cost
+from service.planner.uncertainty import overlaps
 
 log = logging.getLogger(__name__)
 
@@ -304,6 +306,7 @@ def cluster_info(c: Ctx, cluster: ClusterSpec) -> dict:
         "nodes": cluster.nodes,
         "world_size": c.world,
         "precision": c.precision,
+        "kernels": c.prof.name,
         "factors": c.fac.to_dict(),
     }
 
@@ -329,7 +332,24 @@ def _response(
         evaluated=evaluated,
         elapsed_s=time.perf_counter() - t0,
         calibration=calibration or PlanCalibration(),
+        within_uncertainty=ties(cands),
     )
+
+
+def ties(cands: list[Candidate], *, per_device: bool = False) -> list[int]:
+    """Indexes of the feasible candidates whose step-time interval overlaps the first's (``per_device``: device
+    time, devices x step time, as a cost ranking compares them); empty when none but the first is in it."""
+    if not cands or not cands[0].feasible or cands[0].step_time_interval is None:
+        return []
+
+    def span(cand: Candidate) -> tuple[float, float]:
+        iv = cand.step_time_interval
+        n = cand.layout.world_size if per_device else 1
+        return (iv.low_s * n, iv.high_s * n) if iv is not None else (math.inf, math.inf)
+
+    lo0, hi0 = span(cands[0])
+    out = [i for i, cand in enumerate(cands) if cand.feasible and overlaps(*span(cand), lo0, hi0)]
+    return out if len(out) > 1 else []
 
 
 def evaluate(
@@ -381,7 +401,9 @@ def predict_run(
 ) -> Candidate:
     """The prediction stored with a submitted run (``Plan.predicted``); the plan is already validated. Its
     ``cost`` is priced with the spec's ``cluster.price_per_device_hour``, else ``prices`` (the service's settings)
-    or the default table for the cluster's device, for the spec's ``train.steps``."""
+    or the default table for the cluster's device, for the spec's ``train.steps``. A cluster without
+    ``kernels`` is priced with meshrun's own loop: ``eager``, ``megatron`` (fused) when the spec compiles."""
+    cluster = run_cluster(spec, cluster)
     cand = evaluate(
         plan.model,
         cluster,
@@ -395,6 +417,14 @@ def predict_run(
     )
     price, source = resolve_price(cluster.device, spec.cluster.price_per_device_hour, prices)
     return with_cost(cand, tokens_per_step=plan.tokens_per_step, price=price, source=source, steps=spec.train.steps)
+
+
+def run_cluster(spec: RunSpec, cluster: ClusterSpec) -> ClusterSpec:
+    """The cluster a meshrun run is priced on: its ``kernels`` as given, else meshrun's own loop (``eager``;
+    ``megatron``, the fused-kernel figures, when the spec compiles its blocks)."""
+    if cluster.kernels is not None:
+        return cluster
+    return cluster.model_copy(update={"kernels": "megatron" if spec.compile else "eager"})
 
 
 def _request_model(req: PlanRequest) -> tuple[ModelSpec, ModelConfig]:
@@ -467,7 +497,13 @@ def search(
         rows.sort(key=lambda r: (r[0].world * r[1][6].total, r[1][6].total))
         cands = [priced(candidate(cp, lay, mb, rec, mem, tm)) for cp, (*_, lay, mb, rec, mem, tm) in rows[: req.top_k]]
         resp = _response(c, cfg, cluster, [], rejects, evaluated, req.top_k, t0, calibration, priced)
-        return resp.model_copy(update={"candidates": cands, "elapsed_s": time.perf_counter() - t0})
+        return resp.model_copy(
+            update={
+                "candidates": cands,
+                "elapsed_s": time.perf_counter() - t0,
+                "within_uncertainty": ties(cands, per_device=True),
+            }
+        )
 
     val = _Validator(model_spec, global_batch_size=req.global_batch_size, precision=req.precision)
     valid = [mb for mb in mbs if not val.issues(req.layout, mb)]
@@ -511,6 +547,7 @@ def best_alternative(spec: RunSpec, cluster: ClusterSpec, *, factors: Factors | 
     layout that does not fit."""
     cfg = resolve_model(spec.model)
     world = spec.layout.world_size
+    cluster = run_cluster(spec, cluster)
     c = make_ctx(
         cfg,
         cluster,

@@ -37,27 +37,18 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.spec import Candidate, ClusterSpec, Layout, ModelConfig, PlanCalibration
 from service.planner import TERM_FACTORS, Factors, default_factors, evaluate, resolve_device
+from service.store.calibration_guards import (
+    PHYSICAL_BOUNDS,
+    held_out_errors,
+    machine_load,
+    max_free_factors,
+    rejection,
+)
 from service.store.models import Calibration
 
 log = logging.getLogger(__name__)
 
-# factor -> (lower bound, upper bound, additive: starts from 0 / may be 0)
-FIT_BOUNDS: dict[str, tuple[float, float, bool]] = {
-    "compute_efficiency": (0.02, 4.0, False),
-    "memory_efficiency": (0.02, 4.0, False),
-    "launch_scale": (0.0, 200.0, True),
-    "recompute_scale": (0.0, 50.0, True),
-    "tp_bandwidth_efficiency": (0.005, 4.0, False),
-    "tp_latency_scale": (0.0, 1000.0, True),
-    "pp_bandwidth_efficiency": (0.005, 4.0, False),
-    "pp_latency_scale": (0.0, 1000.0, True),
-    "dp_bandwidth_efficiency": (0.005, 4.0, False),
-    "dp_latency_scale": (0.0, 1000.0, True),
-    "dp_overlap_fraction": (0.0, 1.0, True),
-    "bubble_scale": (0.0, 20.0, True),
-    "optimizer_scale": (0.0, 100.0, True),
-    "step_overhead_s": (0.0, 10.0, True),
-}
+FIT_BOUNDS = PHYSICAL_BOUNDS  # factor -> (lower, upper, additive); physical, documented in calibration_guards
 TERMS = tuple(TERM_FACTORS)
 SCALES = (0.25, 0.5, 1 / 1.5, 1 / 1.2, 1.2, 1.5, 2.0, 4.0)
 ZERO_SEEDS = (1e-4, 1e-3, 1e-2, 0.1, 1.0)
@@ -94,12 +85,15 @@ def cluster_key(cluster: ClusterSpec, *, cpu_model: str | None = None) -> str:
 
 # --------------------------------------------------------------------------------------------- storage
 def latest_calibration(session: Session, cluster_key: str) -> Calibration | None:
-    return session.scalar(
+    """The newest calibration of the cluster that was not rejected (``calibration_guards``: rejected fits are
+    kept for the record, never used)."""
+    rows = session.scalars(
         select(Calibration)
         .where(Calibration.cluster_key == cluster_key)
         .order_by(Calibration.created_at.desc(), Calibration.id.desc())
-        .limit(1)
+        .limit(50)
     )
+    return next((c for c in rows if not (c.factors or {}).get("_rejected")), None)
 
 
 META_PREFIX = "_"  # keys of the stored factor JSON that describe the fit rather than a factor
@@ -140,6 +134,9 @@ def calibration_info(cal: Calibration | None, cluster_key: str | None) -> PlanCa
         sweep_id=cal.sweep_id,
         error_before=cal.error_before,
         error_after=cal.error_after,
+        defaults=[k for k in FIT_BOUNDS if k not in measured],
+        held_out_error=(stored.get("_held_out") or {}).get("fitted"),
+        load_avg=(stored.get("_load") or {}).get("load_avg"),
     )
 
 
@@ -194,14 +191,17 @@ def store_calibration(
     sweep_id: str | None,
     measured: Sequence[str] | None = None,
     observations: int | None = None,
+    meta: Mapping[str, Any] | None = None,
 ) -> Calibration:
     """Store a calibration: the factor values, and (under ``_``-keys) which factors the fit moved
-    (``measured``) and from how many observations."""
+    (``measured``), from how many observations, and ``meta`` (``_rejected``, ``_held_out``, ``_load``)."""
     stored: dict[str, Any] = factors.to_dict()
     if measured is not None:
         stored["_measured"] = list(measured)
     if observations is not None:
         stored["_observations"] = observations
+    for k, v in (meta or {}).items():
+        stored[META_PREFIX + k.lstrip(META_PREFIX)] = v
     cal = Calibration(
         cluster_key=cluster_key,
         factors=stored,
@@ -239,6 +239,10 @@ class Observation:
 
 
 def predict(obs: Observation, cluster: ClusterSpec, factors: Factors) -> Candidate:
+    """The planner's prediction of an observation: a meshrun run, priced with its own loop (``kernels`` eager)
+    unless the cluster names a profile."""
+    if cluster.kernels is None:
+        cluster = cluster.model_copy(update={"kernels": "eager"})
     return evaluate(
         obs.model,
         cluster,
@@ -380,6 +384,7 @@ def fit_factors(
     params: Iterable[str] | None = None,
     max_rounds: int = MAX_ROUNDS,
     max_evaluations: int = MAX_EVALUATIONS,
+    max_free: int | None = None,
 ) -> FitResult:
     """Coordinate search for the factors that best predict the observations: least squares on the log of
     throughput (= log step time) and of each measured term, then checked on the mean relative error of tokens/s
@@ -388,11 +393,16 @@ def fit_factors(
     ``start``: the factors the predictions were made with (default: the planner's defaults for the device).
     ``params``: which factors to fit (default: all in ``FIT_BOUNDS``); those no observation depends on are
     left alone. The result's error after is <= the error before (moves are accepted only when they improve).
+    ``max_free``: the most factors to move (default ``calibration_guards.max_free_factors``: one fewer than the
+    measured values); the ones that move the predictions most are kept. Every factor stays in ``FIT_BOUNDS``
+    (a start outside them is clamped first).
     """
     t0 = time.perf_counter()
     obs = [o for o in observations if (o.measured_tokens_per_s and o.measured_tokens_per_s > 0) or o.terms()]
     if start is None:
         start = default_factors(is_cpu=resolve_device(cluster).is_cpu)
+    for name, (lo, hi, _) in FIT_BOUNDS.items():  # an earlier, unguarded calibration: into physical bounds
+        start = _with(start, name, min(hi, max(lo, getattr(start, name))))
     with_tps = [i for i, o in enumerate(obs) if o.measured_tokens_per_s and o.measured_tokens_per_s > 0]
     measured = [float(obs[i].measured_tokens_per_s or 0.0) for i in with_tps]
     n_eval = 0
@@ -426,7 +436,8 @@ def fit_factors(
 
     names = [p for p in (params if params is not None else FIT_BOUNDS) if p in FIT_BOUNDS]
     # sensitivity: only factors that move some prediction
-    active = []
+    active: list[str] = []
+    moves: dict[str, float] = {}
     for name in names:
         lo, hi, additive = FIT_BOUNDS[name]
         cur = getattr(start, name)
@@ -434,10 +445,18 @@ def fit_factors(
         if probe == cur:
             probe = max(lo, cur / 2)
         try:
-            if preds(_with(start, name, probe)).key() != before.key():
-                active.append(name)
+            moved = preds(_with(start, name, probe))
         except ValueError:
             continue
+        if moved.key() != before.key():
+            active.append(name)
+            moves[name] = abs(log_loss(moved) - log_loss(before)) + sum(
+                abs(math.log(a / b)) for a, b in zip(moved.tps, before.tps) if a > 0 and b > 0
+            )
+    free = max_free if max_free is not None else max_free_factors(obs)
+    if len(active) > free:  # no more free factors than the data supports: the most influential ones
+        keep = set(sorted(active, key=lambda n: -moves[n])[:free])
+        active = [n for n in active if n in keep]
 
     def search(loss_fn, budget: int) -> tuple[Factors, _Preds, float]:
         best_f, best_p = start, before
@@ -523,5 +542,32 @@ def calibrate(
         sweep_id=sweep_id,
         measured=fit.fitted,
         observations=len(used),
+        meta=guard(used, cluster, fit),
     )
     return fit, cal
+
+
+def guard(observations: Sequence[Observation], cluster: ClusterSpec, fit: FitResult) -> dict[str, Any]:
+    """What ``calibration_guards`` says of a fit: its leave-one-out check over the throughput observations
+    (``held_out``: each trial predicted by a fit to the others, against the start factors' error on it), the
+    reason it is rejected (``rejected``, absent when accepted) and the host's load (``load``)."""
+    tps = [o for o in observations if o.measured_tokens_per_s and o.measured_tokens_per_s > 0]
+    start = fit.factors_before
+
+    def err(o: Observation, f: Factors) -> float:
+        m = float(o.measured_tokens_per_s or 0.0)
+        return abs(predict_tokens_per_s(o, cluster, f) - m) / m
+
+    def held_out(i: int) -> float:
+        rest = tps[:i] + tps[i + 1 :]
+        return err(tps[i], fit_factors(rest, cluster, start=start, max_evaluations=MAX_EVALUATIONS // 4).factors)
+
+    checked = held_out_errors(len(tps), held_out, lambda i: err(tps[i], start))
+    meta: dict[str, Any] = {"load": machine_load()}
+    if checked is not None:
+        meta["held_out"] = {"fitted": checked[0], "defaults": checked[1], "trials": checked[2]}
+    why = rejection(checked)
+    if why:
+        meta["rejected"] = why
+        log.warning("calibration for %s rejected: %s", cluster_key(cluster), why)
+    return meta

@@ -129,8 +129,13 @@ def _auto_clusters(create: SweepCreate, cluster: ClusterSpec) -> list[tuple[int,
 
 
 def auto_candidates(create: SweepCreate, cluster: ClusterSpec, *, factors: Factors | None = None) -> list[Candidate]:
-    """The planner's top feasible candidates for the base model on the live cluster, best predicted first."""
+    """The planner's top feasible candidates for the base model on the live cluster, best predicted first: those
+    the planner cannot tell from the best (their predicted objective within the uncertainty of the best's,
+    ``within_best``), so that the sweep measures exactly the layouts the plan calls tied. Priced as meshrun's own
+    loop (``kernels`` eager, megatron when the base compiles), as its trials will run."""
     base = create.base
+    if cluster.kernels is None:
+        cluster = cluster.model_copy(update={"kernels": "megatron" if base.compile else "eager"})
     mbs: list[int | None] = [*create.search.micro_batch_sizes] if create.search.micro_batch_sizes else [None]
     found: dict[tuple, Candidate] = {}
     for _world, cl in _auto_clusters(create, cluster):
@@ -147,7 +152,26 @@ def auto_candidates(create: SweepCreate, cluster: ClusterSpec, *, factors: Facto
             for cand in search(req, factors=factors).candidates:
                 if cand.feasible:
                     found.setdefault(_layout_key(cand.layout, cand.micro_batch_size), cand)
-    return sorted(found.values(), key=lambda c: _predicted_value(c, create.objective) or 0.0, reverse=True)
+    ranked = sorted(found.values(), key=lambda c: _predicted_value(c, create.objective) or 0.0, reverse=True)
+    return within_best(ranked, create.objective)
+
+
+def within_best(ranked: list[Candidate], objective: str) -> list[Candidate]:
+    """The candidates (best predicted first) whose objective's interval reaches the best's: every objective is
+    inversely proportional to the step time, so a step-time interval ``[t (1 - below), t (1 + above)]`` maps to
+    ``[v / (1 + above), v / (1 - below)]``. Candidates without an interval are kept (nothing says they tie)."""
+    if not ranked:
+        return ranked
+
+    def span(c: Candidate) -> tuple[float, float]:
+        v = _predicted_value(c, objective) or 0.0
+        iv = c.step_time_interval
+        if iv is None:
+            return v, v
+        return v / (1 + iv.above), v / (1 - iv.below) if iv.below < 1 else math.inf
+
+    best_low = span(ranked[0])[0]
+    return [c for c in ranked if c.step_time_interval is None or span(c)[1] >= best_low]
 
 
 def _issue_text(issues: Sequence[SpecIssue]) -> str:

@@ -19,7 +19,7 @@ from api.spec import ClusterSpec, Layout, SweepCreate
 from api.spec.validation import resolve_model
 from service import store
 from service.planner import Factors
-from service.store.calibrations import Observation, fit_factors, store_calibration
+from service.store.calibrations import Observation, fit_factors, guard, store_calibration
 from service.store.models import Sweep, Trial
 from service.sweeps.state import TrialStatus
 
@@ -148,6 +148,7 @@ def calibrate_sweep(session: Session, sweep: Sweep, trials: Sequence[Trial]) -> 
     cluster = ClusterSpec.model_validate(info["cluster"])
     start = Factors.from_dict(info.get("factors_before")) if info.get("factors_before") else None
     fit = fit_factors(obs, cluster, start=start)
+    meta = guard(obs, cluster, fit)  # held-out check, rejection, machine load (service.store.calibration_guards)
     cal = store_calibration(
         session,
         cluster_key=info["cluster_key"],
@@ -157,8 +158,10 @@ def calibrate_sweep(session: Session, sweep: Sweep, trials: Sequence[Trial]) -> 
         sweep_id=sweep.id,
         measured=fit.fitted,
         observations=len(obs),
+        meta=meta,
     )
-    out = {**info, **fit.to_json(labels), "status": "fitted", "calibration_id": cal.id}
+    status = "rejected" if meta.get("rejected") else "fitted"
+    out = {**info, **fit.to_json(labels), **meta, "status": status, "calibration_id": cal.id}
     log.info(
         "sweep %s calibration for %s: mean relative error %.1f%% -> %.1f%% over %d trials",
         sweep.id,

@@ -174,6 +174,8 @@ def test_a_submission_is_priced_with_the_settings_and_its_run_costs_that(make_cl
     pred = run["plan"]["predicted"]
     assert pred["cost"]["price_per_device_hour"] == 0.5 and pred["cost"]["price_source"] == "settings"
     assert pred["cost"]["usd_for_steps"] == pytest.approx(2 * pred["step_time_s"]["total"] / 3600 * 0.5 * 40)
+    # a run is priced as meshrun's own loop, says which calibration it used (none here) and how far to trust it
+    assert pred["calibration"] == "defaults" and pred["step_time_interval"]["kernels"] == "eager"
     with session_scope(app.state.session_factory) as s:
         store.transition(s, run_id=run["id"], to="STARTING", reason="admitted")
         store.transition(s, run_id=run["id"], to="RUNNING", reason="driver")

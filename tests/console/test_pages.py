@@ -121,6 +121,9 @@ def test_plan_form_returns_ranked_layouts(live_service, console):
     tps = [float(r.get_attribute("data-tps")) for r in ranked.all()]
     assert tps == sorted(tps, reverse=True) and tps[0] > 0
     assert "Rejected" in page.inner_text("#plan-results")
+    head = page.inner_text("#plan-ranked h2")
+    assert "attention flash" in head and "kernels megatron" in head and "factors: defaults" in head
+    assert " – " in ranked.first.inner_text()  # the step time's interval under its bar
     page.shot("plan")
 
     # plan a one-device layout and submit the best one as a run on this service's (CPU) Ray cluster

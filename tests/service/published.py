@@ -3,8 +3,10 @@
 was measured and under which settings).
 
 ``predict(run)`` prices a run with the planner exactly as a user would describe it (model sizes, device, nodes,
-layout, micro-batch, global batch, precision, checkpointing, flash attention); ``report()`` gives the step-time
-error per source and the ranking quality within each group of runs that differ only in layout / micro-batch.
+layout, micro-batch, global batch, precision, checkpointing, ``model.attention`` eager for the runs without flash
+attention, ``cluster.kernels`` eager for meshrun's own runs and llm-foundry's, megatron for the rest); ``report()``
+gives the step-time error per source and the ranking quality within each group of runs that differ only in layout /
+micro-batch.
 """
 
 from __future__ import annotations
@@ -38,14 +40,19 @@ def sources() -> dict[str, dict[str, str]]:
     return load()["sources"]
 
 
+def kernels(run: dict[str, Any]) -> str:
+    """The kernel profile a fixture run is priced with: its ``kernels`` (llm-foundry's rows: eager), else eager for
+    meshrun's own runs and megatron for the rest."""
+    return run.get("kernels") or ("eager" if run["source"].startswith("meshrun") else "megatron")
+
+
 def predict(run: dict[str, Any], *, factors: Factors | None = None):
     """The planner's Candidate for a fixture run."""
-    cluster = ClusterSpec(**run["cluster"])
-    cfg = resolve_model(ModelSpec(name="gpt", preset=None, **run["model"]))
+    cluster = ClusterSpec(**{**run["cluster"], "kernels": kernels(run)})
+    attention = "flash" if run.get("flash_attention", True) else "eager"
+    cfg = resolve_model(ModelSpec(name="gpt", preset=None, attention=attention, **run["model"]))
     if factors is None:
         factors = default_factors(is_cpu=resolve_device(cluster).is_cpu)
-    if not run.get("flash_attention", True):
-        factors = Factors.from_dict({**factors.to_dict(), "flash_attention": False})
     return evaluate(
         cfg,
         cluster,
@@ -64,6 +71,12 @@ class Row:
     run: dict[str, Any]
     predicted_s: float
     measured_s: float
+    low_s: float = 0.0  # the prediction's interval (``service.planner.uncertainty``)
+    high_s: float = math.inf
+
+    @property
+    def covered(self) -> bool:
+        return self.low_s <= self.measured_s <= self.high_s
 
     @property
     def error(self) -> float:
@@ -75,7 +88,9 @@ def rows(source: str | None = None, *, factors: Factors | None = None) -> list[R
     out = []
     for r in runs(source):
         cand = predict(r, factors=factors)
-        out.append(Row(r, cand.step_time_s.total, r["step_time_s"]))
+        iv = cand.step_time_interval
+        lo, hi = (iv.low_s, iv.high_s) if iv is not None else (0.0, math.inf)
+        out.append(Row(r, cand.step_time_s.total, r["step_time_s"], lo, hi))
     return out
 
 
@@ -127,4 +142,6 @@ def summary(rs: list[Row]) -> dict[str, float]:
         "mape": statistics.fmean(errs),
         "max": max(errs),
         "bias": statistics.fmean(r.error for r in rs),
+        "covered": statistics.fmean(1.0 if r.covered else 0.0 for r in rs),
+        "widest": max(max(1 - r.low_s / r.predicted_s, r.high_s / r.predicted_s - 1) for r in rs),
     }

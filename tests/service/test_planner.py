@@ -464,9 +464,17 @@ def test_predict_run_and_best_alternative():
     pred = predict_run(spec, plan, cluster)
     assert not pred.feasible and "memory" in pred.reason
     direct = evaluate(
-        plan.model, cluster, layout=spec.layout, micro_batch_size=1, global_batch_size=64, precision="bf16"
+        plan.model,
+        cluster.model_copy(update={"kernels": "eager"}),  # a meshrun run: its own eager loop
+        layout=spec.layout,
+        micro_batch_size=1,
+        global_batch_size=64,
+        precision="bf16",
     )
-    assert pred == direct
+    assert pred == direct and pred.step_time_interval.kernels == "eager"
+    compiled = predict_run(spec.model_copy(update={"compile": True}), plan, cluster)
+    assert compiled.step_time_interval.kernels == "megatron"
+    assert compiled.step_time_s.total < pred.step_time_s.total  # fused kernels: no autocast casts, less host time
     alt = best_alternative(spec, cluster)
     assert alt is not None and alt.feasible and alt.layout.world_size == 8
     assert alt.memory_bytes.total <= DEVICES["L4"].memory_bytes

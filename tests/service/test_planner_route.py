@@ -211,3 +211,38 @@ def test_searches_run_off_the_event_loop(client, monkeypatch):
     monkeypatch.setattr(plans.planner, "search", spy)
     assert client.post("/v1/plans", json=body()).status_code == 200
     assert seen == {"on_loop": False}
+
+
+def test_eager_attention_and_kernels_through_the_route(client):
+    """POST /v1/plans with model.attention 'eager': the scores' 5 a s^2 b bytes per layer appear in the activations
+    (L=2, a=4, s=128, b=2); the answer names its attention, kernel profile, interval and calibration."""
+    model = {"name": "gpt", "preset": None, "n_layers": 2, "d_model": 64, "n_heads": 4, "vocab_size": 256,
+             "seq_len": 128}  # fmt: skip
+    out = {}
+    for attention in ("flash", "eager"):
+        r = client.post(
+            "/v1/plans",
+            json=body(
+                model={**model, "attention": attention},
+                cluster={"device": "H100", "gpus_per_node": 1},
+                global_batch_size=2,
+                layout={"dp": 1},
+                micro_batch_size=2,
+                activation_checkpointing="none",
+            ),
+        )
+        assert r.status_code == 200, r.text
+        out[attention] = r.json()
+    assert out["eager"]["model"]["attention"] == "eager"
+    (flash,), (eager,) = out["flash"]["candidates"], out["eager"]["candidates"]
+    assert eager["attention"] == "eager" and flash["attention"] == "flash"
+    assert eager["memory_bytes"]["activations"] - flash["memory_bytes"]["activations"] == 2 * 5 * 4 * 128**2 * 2
+    assert eager["step_time_s"]["compute"] > flash["step_time_s"]["compute"]
+    iv = eager["step_time_interval"]
+    assert iv["low_s"] < eager["step_time_s"]["total"] < iv["high_s"] and iv["kernels"] == "megatron"
+    assert out["eager"]["cluster"]["kernels"] == "megatron" and out["eager"]["calibration"]["used"] == "defaults"
+    r = client.post("/v1/plans", json=body(cluster={"device": "H100", "kernels": "eager"}))
+    assert r.status_code == 200 and r.json()["cluster"]["kernels"] == "eager"
+    assert r.json()["candidates"][0]["step_time_interval"]["kernels"] == "eager"
+    bad = client.post("/v1/plans", json=body(model={"name": "gpt", "preset": "tiny", "attention": "sdpa"}))
+    assert bad.status_code == 422

@@ -13,8 +13,12 @@ LAYOUTS = [{"dp": 2}, {"tp": 2}, {"pp": 2}, {"dp": 2, "tp": 2}, {"tp": 3}]
 
 
 def make(**over) -> SweepCreate:
-    body = {"name": "sw", "base": tiny_base(), "search": {"layouts": LAYOUTS, "micro_batch_sizes": [1, 2]},
-            "budget": {"max_trials": 16, "steps_per_trial": 6, "warmup_steps": 2}}
+    body = {
+        "name": "sw",
+        "base": tiny_base(),
+        "search": {"layouts": LAYOUTS, "micro_batch_sizes": [1, 2]},
+        "budget": {"max_trials": 16, "steps_per_trial": 6, "warmup_steps": 2},
+    }
     body.update(over)
     return SweepCreate.model_validate(body)
 
@@ -61,8 +65,11 @@ def test_predicted_oom_is_skipped_unless_skip_memory_check():
 
 def test_unplaceable_layout_is_skipped_with_the_capacity_reason(tmp_path):
     rt = FakeRuntime(None, None, cpus=4)
-    drafts = expand(make(search={"layouts": [{"dp": 2}, {"dp": 8}], "micro_batch_sizes": [1]}), cluster=cpu_cluster(4),
-                    never_fits=rt.never_fits)
+    drafts = expand(
+        make(search={"layouts": [{"dp": 2}, {"dp": 8}], "micro_batch_sizes": [1]}),
+        cluster=cpu_cluster(4),
+        never_fits=rt.never_fits,
+    )
     assert drafts[0].status == TrialStatus.PENDING
     assert drafts[1].status == TrialStatus.SKIPPED and drafts[1].reason.startswith("cannot be placed")
 
@@ -113,14 +120,19 @@ def test_auto_with_the_cost_objective_puts_the_most_tokens_per_device_second_fir
 
 
 class _T:
-    def __init__(self, id, status, tps, mfu=None, layout=None):  # noqa: A002
+    def __init__(self, id, status, tps, mfu=None, layout=None):
         self.id, self.status, self.measured_tokens_per_s, self.measured_mfu = id, status, tps, mfu
         self.layout = layout or {"dp": 1}
 
 
 def test_best_trial_is_the_highest_measured_among_finished_ones():
-    trials = [_T(1, "SUCCEEDED", 100.0, 0.2), _T(2, "FAILED", 500.0, 0.9), _T(3, "EARLY_STOPPED", 40.0, 0.5),
-              _T(4, "SUCCEEDED", 300.0, 0.1), _T(5, "SKIPPED", None)]
+    trials = [
+        _T(1, "SUCCEEDED", 100.0, 0.2),
+        _T(2, "FAILED", 500.0, 0.9),
+        _T(3, "EARLY_STOPPED", 40.0, 0.5),
+        _T(4, "SUCCEEDED", 300.0, 0.1),
+        _T(5, "SKIPPED", None),
+    ]
     assert best_trial(trials, "tokens_per_s").id == 4
     assert best_trial(trials, "mfu").id == 3
     assert best_trial([_T(1, "FAILED", 10.0)], "tokens_per_s") is None
@@ -132,9 +144,14 @@ def test_best_trial_is_the_highest_measured_among_finished_ones():
 def test_a_candidate_that_cannot_sit_beside_the_sweeps_trial_drivers_is_skipped_before_it_starts():
     """6 CPU slots: dp=6 fits an empty cluster, not beside the trial drivers' CPU slivers (the hang of issue 19)."""
     rt = FakeRuntime(None, None, cpus=6)
-    drafts = expand(make(search={"layouts": [{"dp": 6}, {"dp": 2}], "micro_batch_sizes": [1]},
-                         base=tiny_base(batch={"global_batch_size": 12, "micro_batch_size": 1})),
-                    cluster=cpu_cluster(), never_fits=lambda plan: rt.never_fits(plan, reserved_cpu=0.01))
+    drafts = expand(
+        make(
+            search={"layouts": [{"dp": 6}, {"dp": 2}], "micro_batch_sizes": [1]},
+            base=tiny_base(batch={"global_batch_size": 12, "micro_batch_size": 1}),
+        ),
+        cluster=cpu_cluster(),
+        never_fits=lambda plan: rt.never_fits(plan, reserved_cpu=0.01),
+    )
     six, two = drafts
     assert six.status == TrialStatus.SKIPPED and six.reason.startswith("cannot be placed on this cluster: needs 6")
     assert "trial drivers hold" in six.reason
@@ -148,3 +165,20 @@ def test_add_auto_keeps_the_listed_layouts_first_and_adds_the_planners():
     assert len(drafts) > 1 and not any(d.explicit for d in drafts[1:])
     keys = [(d.layout.model_dump_json(), d.micro_batch_size) for d in drafts]
     assert len(keys) == len(set(keys))  # the listed layout is not repeated by auto
+
+
+def test_auto_measures_exactly_the_candidates_within_the_best_ones_uncertainty():
+    from service.sweeps.expansion import auto_candidates, within_best
+
+    create = make(search={"layouts": "auto"}, budget={"max_trials": 8, "steps_per_trial": 6, "warmup_steps": 2})
+    cands = auto_candidates(create, cpu_cluster(4))
+    assert cands and all(c.step_time_interval.kernels == "eager" for c in cands)  # meshrun's loop prices its trials
+    best = cands[0]
+    lo0 = best.tokens_per_s / (1 + best.step_time_interval.above)
+    assert all(c.tokens_per_s / (1 - c.step_time_interval.below) >= lo0 for c in cands)
+    # by hand: 100, 85 and 70 tokens/s, each interval -10 % / +10 % of the step time: the best's objective may be as
+    # low as 100 / 1.1 = 90.9; 85 / 0.9 = 94.4 reaches it, 70 / 0.9 = 77.8 does not
+    iv = best.step_time_interval.model_copy(update={"below": 0.1, "above": 0.1})
+    made = [best.model_copy(update={"tokens_per_s": v, "step_time_interval": iv}) for v in (100.0, 85.0, 70.0)]
+    assert [c.tokens_per_s for c in within_best(made, "tokens_per_s")] == [100.0, 85.0]
+    assert within_best([], "tokens_per_s") == []

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from api.spec import ModelConfig
-from workers.models.gpt import GPT, Block
+from workers.models.gpt import GPT, Arch, Block
 from workers.models.mlp import MLPBlock, MLPModel
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ def _build_gpt(cfg: ModelConfig) -> nn.Module:
         vocab_size=cfg.vocab_size,
         seq_len=cfg.seq_len,
         d_ff=cfg.d_ff,
+        arch=Arch(attention=cfg.attention),
     )
 
 

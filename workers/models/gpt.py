@@ -4,7 +4,8 @@ Shapes: B batch, T tokens, h d_model, f d_ff, V vocab, s max positions, H heads,
 
 - ``tok_emb`` Embedding(V, h) + ``pos_emb`` Embedding(s, h)
 - ``layers``: ModuleDict "0".."L-1" of ``Block``: x + attn(ln_1(x)); x + mlp(ln_2(x))
-  - attn: ``wq, wk, wv`` Linear(h, h, bias) (column-parallel), causal SDPA, ``wo`` Linear(h, h, bias)
+  - attn: ``wq, wk, wv`` Linear(h, h, bias) (column-parallel), causal SDPA (or, ``Arch.attention == "eager"``,
+    ``eager_attention``: softmax(QK^T / sqrt(d)) V unfused), ``wo`` Linear(h, h, bias)
   - mlp: ``w1`` Linear(h, f, bias), GELU, ``w2`` Linear(f, h, bias)
 - ``norm`` LayerNorm(h), ``output`` Linear(h, V, bias=False) (untied, no dropout)
 
@@ -45,6 +46,7 @@ class Arch:
     qkv_bias: bool = True
     o_bias: bool = True
     mlp_bias: bool = True
+    attention: str = "flash"  # flash: fused SDPA | eager: the math path softmax(QK^T / sqrt(d)) V (``eager_attention``)
 
 
 def _norm(d_model: int, arch: Arch) -> nn.Module:
@@ -54,6 +56,18 @@ def _norm(d_model: int, arch: Arch) -> nn.Module:
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, dim=-1)
     return torch.cat((-b, a), dim=-1)
+
+
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention by its math, unfused (model.attention 'eager', what ``service.planner`` prices as eager):
+    q is scaled by 1/sqrt(d), ``QK^T`` is one batched GEMM writing the (B, H, T, T) scores, the future is masked
+    (``masked_fill``), ``softmax`` runs over the last dim and its probabilities (kept for backward) multiply V in a
+    second batched GEMM. Equal to ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` up to rounding."""
+    T, S = q.shape[-2], k.shape[-2]
+    scores = (q * (1.0 / math.sqrt(q.shape[-1]))) @ k.transpose(-2, -1)  # (B, H, T, S)
+    future = torch.ones(T, S, dtype=torch.bool, device=q.device).triu(1)
+    probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    return probs @ v
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,6 +86,7 @@ class Attention(nn.Module):
         self.head_dim = d_model // n_heads
         self.rope_theta = arch.rope_theta
         self.groups = n_heads // (arch.n_kv_heads or n_heads)  # query heads per key/value head
+        self.eager = arch.attention == "eager"
         kv_dim = self.head_dim * (arch.n_kv_heads or n_heads)
         self.wq = nn.Linear(d_model, d_model, bias=arch.qkv_bias)
         self.wk = nn.Linear(d_model, kv_dim, bias=arch.qkv_bias)
@@ -88,7 +103,10 @@ class Attention(nn.Module):
             q, k = apply_rope(q, k, self.rope_theta)
         if self.groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
             k, v = k.repeat_interleave(self.groups, dim=1), v.repeat_interleave(self.groups, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H_local, T, d)
+        if self.eager:
+            y = eager_attention(q, k, v)  # (B, H_local, T, d)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H_local, T, d)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, h_local)
         return self.wo(y)
 

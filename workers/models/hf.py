@@ -18,7 +18,7 @@ untied in meshrun (each layout may shard it differently from the embedding); exp
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +53,7 @@ def build_hf(cfg: ModelConfig) -> GPT:
         vocab_size=cfg.vocab_size,
         seq_len=cfg.seq_len,
         d_ff=cfg.d_ff,
-        arch=arch_of(cfg.args),
+        arch=replace(arch_of(cfg.args), attention=cfg.attention),
         n_positions=int(cfg.args["n_positions"]) if cfg.args["arch"] == "gpt2" else None,
         pretrained=str(cfg.args["path"]),
     )

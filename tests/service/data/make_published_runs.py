@@ -27,9 +27,9 @@ SOURCES = {
         ),
         "settings": (
             "GPT, vocab 51200, sequence 2048, mixed precision fp16, full activation recomputation, tensor model "
-            "parallel t, pipeline p, data parallel n/(t p); micro-batch size not given per row: 1 assumed "
-            "(Megatron's GPT-3 example scripts); pipeline schedule not given per row: 1F1B assumed; fused "
-            "(non-flash) attention"
+            "parallel t, pipeline p, data parallel n/(t p); micro-batch sizes of Megatron-LM's "
+            "examples/sc21/run_table_1.sh (16, 16, 16, 8, 4, 2, 2, 1, 1, 1 from 1.7B to 1T); pipeline schedule "
+            "not given per row: 1F1B assumed; fused (non-flash, unfused-softmax) attention"
         ),
         "step_time": "step_time_s = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) / (GPUs x TFLOP/s per GPU)",
     },
@@ -82,7 +82,9 @@ SOURCES = {
         "settings": (
             "MPT (GPT-shaped: no biases, ALiBi, vocab 50368, d_ff = 4 d_model), triton flash attention, FSDP "
             "FULL_SHARD (ZeRO-3 over all GPUs), bf16, micro-batch and gradient accumulation as listed, activation"
-            " checkpointing True = full; rows with sequence <= 8192 kept"
+            " checkpointing True = full; rows with sequence <= 8192 kept; priced with cluster.kernels eager:"
+            " llm-foundry trains PyTorch modules under Composer with torch.autocast (precision amp_bf16) and gradient"
+            " clipping, one kernel per op, none of Megatron's fused kernels"
         ),
         "step_time": "step_time_s = GlobalBatchSize(T) / Throughput(T/s)",
     },
@@ -120,7 +122,8 @@ NAR = [  # params(B), heads, hidden, layers, t, p, GPUs, batch, TFLOP/s per GPU,
     (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 52, 410.2),
     (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 52, 502.0),
 ]
-for size, a, h, L, t, p, n, B, tf, pct, agg in NAR:
+SC21_MICRO_BATCH = (16, 16, 16, 8, 4, 2, 2, 1, 1, 1)  # Megatron-LM examples/sc21/run_table_1.sh, row by row
+for (size, a, h, L, t, p, n, B, tf, pct, agg), mb in zip(NAR, SC21_MICRO_BATCH, strict=True):
     s, V = 2048, 51200
     flops = 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
     add(
@@ -130,7 +133,7 @@ for size, a, h, L, t, p, n, B, tf, pct, agg in NAR:
         model=dict(n_layers=L, d_model=h, n_heads=a, vocab_size=V, seq_len=s),
         cluster=dict(device="A100-80GB", gpus_per_node=8, nodes=n // 8),
         layout=dict(dp=n // (t * p), tp=t, pp=p),
-        micro_batch_size=1,
+        micro_batch_size=mb,
         global_batch_size=B,
         precision="fp16",
         activation_checkpointing="full",
@@ -402,6 +405,7 @@ for device, table in (("H100", H100), ("A100-80GB", A100_80), ("A100-40GB", A100
             precision="bf16",
             activation_checkpointing="full" if ckpt else "none",
             flash_attention=True,
+            kernels="eager",
             published=dict(mfu_percent=mfu, tokens_per_s=tps, global_batch_tokens=gbs_tok, grad_accum=ga),
             step_time_s=gbs_tok / tps,
         )
