@@ -119,7 +119,7 @@ def builtin_corpus_files() -> list[Path]:
 
 @functools.cache
 def _stdlib_sources(stdlib: str) -> tuple[Path, ...]:
-    found = []
+    found: list[Path] = []
     for d, dirs, files in os.walk(stdlib):
         dirs[:] = [x for x in dirs if x not in ("site-packages", "dist-packages")]
         found.extend(Path(d, f) for f in files if f.endswith(".py") and os.path.isfile(os.path.join(d, f)))
