@@ -138,13 +138,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 # ------------------------------------------------------------------------------------------- two workers
-# The full suite and the quick lane run on two pytest-xdist workers (``-n 2 --dist loadgroup`` in pyproject's
-# addopts). Every test that uses the shared Ray cluster (``ray_cluster``/``live_service``, directly or through another
-# fixture) is in one group, ``ray``: one worker runs them all, one after another, on one Ray cluster, as before.
+# ``python -m pytest -n 2 --dist loadgroup`` runs the suite on two pytest-xdist workers (opt-in: the README's test
+# command and CI stay serial; on two busy cores the two workers measured no faster, and timing tests grow noisier
+# under the doubled load). Every test that uses the shared Ray cluster (``ray_cluster``/``live_service``, directly
+# or through another fixture) is in one group, ``ray``: one worker runs them all, one after another, on one Ray
+# cluster, as before.
 # Every other test is grouped by its module (module fixtures are set up once), and the other worker takes those
 # modules one by one, tests that start their own Ray head included. The ``ray`` group is put first so its worker
 # starts on it at once (xdist hands out groups in collection order); it is the longest single piece of the suite.
-# ``-n 0`` (or ``-p no:xdist``) runs everything in one process, in the same order.
+# Without ``-n`` everything runs in one process, in collection order.
 #
 # The group goes into the node id here (``<id>@<group>``, what xdist's loadgroup scheduler reads) rather than through
 # an ``xdist_group`` mark: xdist 3.8 writes ``item._nodeid``, which pytest 9.2 no longer reads (ids live in
@@ -165,9 +167,9 @@ class _XdistGroups:
         def shared_ray(item: pytest.Item) -> bool:
             return any(f in getattr(item, "fixturenames", ()) for f in SHARED_RAY_FIXTURES)
 
-        items.sort(key=lambda item: 0 if shared_ray(item) else 1)  # stable: each part keeps its order
         if not getattr(config.option, "loadgroup", False):  # not an xdist worker under --dist loadgroup
             return
+        items.sort(key=lambda item: 0 if shared_ray(item) else 1)  # stable: each part keeps its order
         for item in items:
             _group_node_id(item, RAY_GROUP if shared_ray(item) else item.nodeid.split("::")[0])
 
