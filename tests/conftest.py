@@ -120,6 +120,15 @@ SLOW_UNIT_TESTS = (
     "tests/byo/test_user_code.py::test_service_inspection_updates_the_plan",
     "tests/byo/test_shipping.py::test_standalone_launcher_takes_the_code_dir",
     "tests/cli/test_cli.py::test_serve_prints_the_console_url_and_serves_it",
+    # each starts `meshrun serve`/`doctor`/`demo` or a piped CLI as processes: 3-10 s apiece, a tenth of the lane
+    "tests/cli/test_doctor_demo.py::test_doctor_reports_the_data_directorys_own_service",
+    "tests/cli/test_doctor_demo.py::test_doctor_after_serve_stopped_forgets_it",
+    "tests/cli/test_doctor_demo.py::test_doctor_names_a_foreign_port_holder_and_the_real_ray_port_rule",
+    "tests/cli/test_doctor_demo.py::test_demo_whose_service_cannot_start_says_why_in_one_line",
+    "tests/cli/test_output_width.py::test_submit_wait_piped_at_80_columns_prints_whole_lines_without_colour",
+    # nine leave-one-out refits of the calibration (8 s)
+    "tests/sweeps/test_calibration_guards.py::"
+    "test_a_fit_that_does_not_beat_the_defaults_held_out_is_stored_rejected_and_never_used",
 )
 _session = {"start": 0.0, "ran": 0}
 

@@ -13,11 +13,12 @@
   reason; a failed submission re-queues the run with the error. A sweep trial's run (``sweep_id`` set) joins the
   same queue: admitted, it only moves to STARTING (its sweep's driver waits for that, then starts its workers).
 - reconcile: every STARTING/RUNNING run against its Ray Job: pending/running -> keep; gone, failed, stopped or
-  finished without the driver having ended the run -> FAILED "driver lost" with Ray's message; a running run whose
-  pinned node died -> FAILED "node lost" (and its job stopped), unless it is elastic and a smaller layout within its
-  bounds fits what remains: then it is re-queued at once in that layout from its latest checkpoint
-  (``service.control.elastic``) and admitted once its old job has ended. Runs keep their metrics. Also done once at
-  start-up.
+  finished without the driver having ended the run: "driver lost" with Ray's message, a failure of the run:
+  re-queued from its latest checkpoint while ``max_failures`` allows, else FAILED (``service.control.recovery``);
+  a running run whose pinned node died -> FAILED "node lost" (and its job stopped), unless it is elastic and a
+  smaller layout within its bounds fits what remains: then it is re-queued at once in that layout from its latest
+  checkpoint (``service.control.elastic``) and admitted once its old job has ended. Runs keep their metrics. Also
+  done once at start-up.
 - grow back: with nothing queued, an elastic run below its ``max_dp`` for which a larger layout fits the free
   resources is asked to checkpoint and yield (the preemption path); queued again, it gets the larger layout.
 """
@@ -43,6 +44,7 @@ from service.control.admission import Candidate, Decision
 from service.control.elastic import EVENT_KIND as ELASTIC_EVENT
 from service.control.elastic import Replan, grow, held_per_node, lost_nodes, max_dp, replan, with_own
 from service.control.priorities import AdmissionPlan, Holding, plan_admission
+from service.control.recovery import DRIVER_LOST, resume_lost_driver
 from service.runs.preemption import PREEMPT_REQUEST
 from service.security.policy import resolve_code_dir
 from service.settings import Settings
@@ -395,8 +397,8 @@ class Scheduler:
             logger.warning("run %s: could not check its previous Ray Job %s", run_id, old_job, exc_info=True)
 
     def reconcile(self) -> list[str]:
-        """Fail runs whose driver is gone (or whose pinned node died; an elastic run is re-planned instead).
-        Returns the failed run ids."""
+        """Resume (within ``max_failures``) or fail runs whose driver is gone; fail runs whose pinned node died (an
+        elastic run is re-planned instead). Returns the failed run ids."""
         with session_scope(self.factory) as s:
             # queued sweep trials too: their sweep's Ray Job gone, they would block the queue forever
             runs = store.active_runs(s) + [r for r in store.queued_runs(s) if r.sweep_id and r.ray_job_id]
@@ -405,10 +407,11 @@ class Scheduler:
         views: list[NodeView] | None = None
         for run_id, status, job_id, rank_nodes, trial in active:
             stop_after: str | None = None
+            detail: str | None = None  # the driver is gone: resumed while max_failures allows (a trial: FAILED)
             if not job_id:
                 if run_id in self.pending:
                     continue
-                reason = "driver lost: the run has no Ray Job (the service stopped while admitting it)"
+                detail = "the run has no Ray Job (the service stopped while admitting it)"
             else:
                 try:
                     state = self.jobs.state(job_id)
@@ -420,12 +423,11 @@ class Scheduler:
                     self.last_error = f"unreachable: {e}"
                     return lost
                 if state.status == "MISSING":
-                    reason = f"driver lost: Ray Job {job_id} is gone from the Ray cluster at {self.cluster.address}"
+                    detail = f"Ray Job {job_id} is gone from the Ray cluster at {self.cluster.address}"
                 elif state.status not in ("PENDING", "RUNNING"):
-                    reason = f"driver lost: Ray Job {job_id} is {state.status}"
+                    detail = f"Ray Job {job_id} is {state.status}"
                     if state.message:
-                        reason += f": {job_message(state.message)}"
-                    reason += f"; resume it (POST /v1/runs/{run_id}/resume) to continue from its latest checkpoint"
+                        detail += f": {job_message(state.message)}"
                 else:
                     if status != RunStatus.RUNNING.value or not rank_nodes:
                         continue
@@ -442,6 +444,15 @@ class Scheduler:
                         f"resume the run (POST /v1/runs/{run_id}/resume) to place it on the remaining nodes"
                     )
                     stop_after = job_id  # FAILED first, so the stopped driver cannot overwrite it
+            if detail is not None and not trial:
+                resumed = resume_lost_driver(self.factory, run_id, detail=detail, job_id=job_id)
+                if resumed is not None:
+                    self.pending.pop(run_id, None)
+                if resumed is False:
+                    lost.append(run_id)
+                continue
+            if detail is not None:
+                reason = f"{DRIVER_LOST}: {detail}; resume it (POST /v1/runs/{run_id}/resume) to continue"
             if not self._fail_lost(run_id, reason):
                 continue
             if stop_after:

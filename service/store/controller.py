@@ -40,7 +40,7 @@ RUN_INITIAL = S.QUEUED
 RUN_TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
     S.QUEUED: frozenset({S.STARTING, S.CANCELLED, S.FAILED}),
     S.STARTING: frozenset({S.RUNNING, S.SUCCEEDED, S.FAILED, S.CANCELLED, S.QUEUED, S.PREEMPTED}),
-    # RUNNING -> QUEUED: its Ray head was lost and the service requeues it to resume (service.control.recovery)
+    # RUNNING -> QUEUED: its Ray head or its driver was lost and the service requeues it to resume (control.recovery)
     S.RUNNING: frozenset({S.SUCCEEDED, S.FAILED, S.CANCELLED, S.PREEMPTED, S.QUEUED}),
     # preempted (a notice or a higher-priority run): checkpointed, then straight back to the queue
     S.PREEMPTED: frozenset({S.QUEUED, S.FAILED, S.CANCELLED}),

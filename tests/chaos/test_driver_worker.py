@@ -4,9 +4,10 @@ runs on a service that owns its Ray head.
 Two runs at once (tiny GPT, one rank each, a slowed rank 0, a checkpoint every 5 steps, ``max_failures=2``):
 
 - run D: its driver (``python -m service.runs.driver --run-id D``) is killed after the first checkpoint. Ray ends the
-  job, and with it the Train controller, the workers and their placement group. The reconcile step ends the run
-  FAILED with one readable sentence ("driver lost: ..."); resumed, it continues from its latest checkpoint and
-  SUCCEEDS with every step's metrics once;
+  job, and with it the Train controller, the workers and their placement group. The reconcile step counts it as a
+  failure of the run and, within ``max_failures``, re-queues it by itself with one readable sentence ("driver lost:
+  ...; resuming from the checkpoint of step N (failure 1 of max_failures=2)"); it continues from that checkpoint as
+  a second Ray Job and SUCCEEDS with every step's metrics once;
 - run W: its rank 0 worker is killed after the first checkpoint. Ray Train restarts the worker group from the latest
   checkpoint (a new attempt, counted against ``max_failures``) and the run SUCCEEDS with every step's metrics once.
 
@@ -19,9 +20,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.chaos.conftest import OwnedService
@@ -56,6 +57,16 @@ def _one_sentence(reason: str) -> None:
     assert reason and "\n" not in reason and "Traceback" not in reason and len(reason) <= 400, reason
 
 
+def _wait_event(url: str, run_id: str, kind: str, timeout_s: float = 300) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = [e["reason"] for e in events(url, run_id) if e["kind"] == kind]
+        if found:
+            return found[0]
+        time.sleep(0.5)
+    raise AssertionError(f"no {kind} event after {timeout_s}s: {events(url, run_id)}")
+
+
 def test_killed_driver_and_killed_worker_leave_no_loss_no_leak(owned_service: OwnedService) -> None:
     svc = owned_service
     svc.start()
@@ -65,18 +76,17 @@ def test_killed_driver_and_killed_worker_leave_no_loss_no_leak(owned_service: Ow
     _wait_checkpoint(svc.url, w["id"])
     workers_d = _rank_pids(svc.url, d["id"])
 
-    # ---- kill -9 of run D's driver: FAILED with one sentence, nothing of it left
+    # ---- kill -9 of run D's driver: a failure of the run, resumed by itself (max_failures=2), nothing of it left
     os.kill(_driver_process(d["id"]), signal.SIGKILL)
     # ---- kill -9 of run W's rank 0: Ray Train restarts the worker group from the latest checkpoint
     killed_w = _rank_pids(svc.url, w["id"])
     os.kill(killed_w[0], signal.SIGKILL)
 
-    failed = wait_for(svc.url, d["id"], {"FAILED"}, timeout_s=300)
-    reason = failed["status_reason"]
-    assert reason.startswith("driver lost:"), reason
-    _one_sentence(reason)
-    assert not gone(driver_pids(d["id"]) + workers_d, timeout_s=60), "run D's processes outlived its driver"
-    assert _rows_after_end(svc.data_dir, d["id"]) == []
+    lost = _wait_event(svc.url, d["id"], "driver_lost")
+    assert lost.startswith("driver lost: Ray Job ") and "resuming from the checkpoint of step" in lost, lost
+    assert "(failure 1 of max_failures=2)" in lost, lost
+    _one_sentence(lost)
+    assert not gone(workers_d, timeout_s=60), "run D's workers outlived its driver"
 
     done_w = wait_for(svc.url, w["id"], {"SUCCEEDED"}, timeout_s=900)
     _every_step_once(svc.url, w["id"])
@@ -84,14 +94,10 @@ def test_killed_driver_and_killed_worker_leave_no_loss_no_leak(owned_service: Ow
     assert done_w["attempts"] >= 2, done_w  # the worker's loss was a new attempt
     assert _rows_after_end(svc.data_dir, w["id"]) == []
 
-    # ---- run D resumed: from its latest checkpoint, one driver, every step once
-    r = httpx.post(f"{svc.url}/v1/runs/{d['id']}/resume", json={}, timeout=60)
-    assert r.status_code in (200, 202), r.text
-    assert any(
-        e.get("to_status") == "QUEUED" and "from checkpoint of step" in (e["reason"] or "")
-        for e in events(svc.url, d["id"])
-    )
+    # ---- run D resumed without a manual resume: from its latest checkpoint, one driver, every step once
     done_d = wait_for(svc.url, d["id"], {"SUCCEEDED"}, timeout_s=900)
+    assert any(e.get("to_status") == "QUEUED" and e["reason"] == lost for e in events(svc.url, d["id"]))
+    assert done_d["attempts"] >= 2 and done_d["ray_job_id"].endswith("-2"), done_d
     _every_step_once(svc.url, d["id"])
     assert _rows_after_end(svc.data_dir, d["id"]) == []
 

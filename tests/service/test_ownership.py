@@ -16,7 +16,7 @@ from api.spec.validation import build_plan
 from service import store
 from service.cluster import ownership
 from service.cluster.env import credential_file, job_runtime_env
-from service.control.recovery import HEAD_LOST, requeue_lost_runs
+from service.control.recovery import DRIVER_LOST, HEAD_LOST, requeue_lost_runs, resume_lost_driver
 from service.runs.lifecycle import Outcome, RunLifecycle
 from service.settings import Settings
 from service.store import migrate
@@ -140,14 +140,46 @@ def test_runs_of_a_lost_head_resume_from_their_checkpoint_within_max_failures(fa
     assert status == "QUEUED" and resume_from == str(ck)
     assert reason.startswith(HEAD_LOST) and "checkpoint of step 5" in reason and "1 of max_failures=1" in reason
     with session_scope(factory) as s:
-        assert [e.reason for e in store.list_events(s, run_id=rid) if e.kind == "head_lost"] == [
-            f"{HEAD_LOST}: the Ray head (pid 1) died"]
+        assert [e.reason for e in store.list_events(s, run_id=rid) if e.kind == "head_lost"] == [reason]
         assert store.list_attempts(s, run_id=rid)[0].status == "FAILED"
         # the second loss is past max_failures=1: FAILED with the same reason
         store.transition(s, run_id=rid, to="STARTING", ray_job_id="meshrun-x-2")
     assert requeue_lost_runs(factory, detail="again") == []
     status, reason, _, _ = _row(factory, rid)
     assert status == "FAILED" and reason.startswith(HEAD_LOST) and "max_failures=1 reached" in reason
+
+
+def test_a_lost_driver_resumes_by_itself_within_max_failures_shared_with_head_losses(factory, tmp_path):
+    ck = tmp_path / "ck" / "5"
+    ck.mkdir(parents=True)
+    rid = _running_run(factory, "meshrun-x-1", max_failures=2)
+    with session_scope(factory) as s:
+        store.start_attempt(s, run_id=rid, cause="start")
+        store.add_checkpoint(s, run_id=rid, attempt=1, step=5, path=str(ck))
+    # another job's verdict changes nothing (the run moved on to a new job meanwhile)
+    assert resume_lost_driver(factory, rid, detail="Ray Job meshrun-x-0 is FAILED", job_id="meshrun-x-0") is None
+    assert _row(factory, rid)[0] == "RUNNING"
+
+    assert resume_lost_driver(factory, rid, detail="Ray Job meshrun-x-1 is FAILED: killed", job_id="meshrun-x-1")
+    status, reason, resume_from, _ = _row(factory, rid)
+    assert status == "QUEUED" and resume_from == str(ck)
+    assert reason == (f"{DRIVER_LOST}: Ray Job meshrun-x-1 is FAILED: killed; resuming from the checkpoint of step 5 "
+                      "(failure 1 of max_failures=2)")
+    with session_scope(factory) as s:
+        assert [e.reason for e in store.list_events(s, run_id=rid) if e.kind == "driver_lost"] == [reason]
+        assert store.list_attempts(s, run_id=rid)[0].status == "FAILED"
+        store.transition(s, run_id=rid, to="STARTING", ray_job_id="meshrun-x-2")
+    # a head loss counts against the same budget: the 2nd loss resumes, the 3rd is past max_failures=2
+    assert requeue_lost_runs(factory, detail="the Ray head (pid 1) died") == [rid]
+    with session_scope(factory) as s:
+        store.transition(s, run_id=rid, to="STARTING", ray_job_id="meshrun-x-3")
+    assert resume_lost_driver(factory, rid, detail="Ray Job meshrun-x-3 is gone", job_id="meshrun-x-3") is False
+    status, reason, _, _ = _row(factory, rid)
+    assert status == "FAILED" and reason.startswith(f"{DRIVER_LOST}: Ray Job meshrun-x-3 is gone; not resumed: "
+                                                    "max_failures=2 reached; resume it (POST /v1/runs/")
+    with session_scope(factory) as s:
+        assert [e.kind for e in store.list_events(s, run_id=rid) if e.kind.endswith("_lost")] == [
+            "driver_lost", "head_lost", "driver_lost"]
 
 
 def test_a_configured_port_in_use_is_an_error_naming_the_setting():

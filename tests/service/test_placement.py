@@ -226,13 +226,14 @@ def sched(tmp_path):
     engine.dispose()
 
 
-def _add_run(sched, name, *, dp=1, priority=0):
+def _add_run(sched, name, *, dp=1, priority=0, max_failures=0):
     from service import store
     from service.store.db import session_scope
 
     plan = plan_for(dp=dp)
+    spec = {"name": name, "resources": {"max_failures": max_failures}}
     with session_scope(sched.factory) as s:
-        run, _ = store.create_run(s, spec={"name": name}, plan=plan.model_dump(mode="json"), name=name,
+        run, _ = store.create_run(s, spec=spec, plan=plan.model_dump(mode="json"), name=name,
                                   priority=priority)
         return run.id
 
@@ -285,6 +286,33 @@ def test_reconcile_fails_runs_whose_job_is_gone(sched):
     sched.jobs.states.pop(_run(sched, b)[2])
     sched.tick()
     assert _run(sched, b)[0] == "FAILED" and "is gone from the Ray cluster" in _run(sched, b)[1]
+
+
+def test_a_lost_driver_is_resubmitted_while_max_failures_allows(sched):
+    a = _add_run(sched, "a", dp=1, max_failures=1)
+    sched.tick()
+    first = _run(sched, a)[2]
+    sched.jobs.states[first] = "FAILED"  # its driver killed: Ray ends the job
+    sched.tick()  # reconcile: re-queued to resume (no checkpoint yet), then admitted again as a new Ray Job
+    status, reason, job = _run(sched, a)
+    assert status == "STARTING" and job == f"meshrun-{a}-2", (status, reason, job)
+    events = _events(sched, a)
+    assert [e for e in events if e[0] == "driver_lost"] == [
+        ("driver_lost", f"driver lost: Ray Job {first} is FAILED: boom; resuming from scratch (no checkpoint yet) "
+                        "(failure 1 of max_failures=1)")]
+    sched.jobs.states.pop(job)  # the second loss is past max_failures=1
+    sched.tick()
+    status, reason, _ = _run(sched, a)
+    assert status == "FAILED" and reason.startswith(f"driver lost: Ray Job {job} is gone from the Ray cluster")
+    assert "not resumed: max_failures=1 reached" in reason and f"POST /v1/runs/{a}/resume" in reason
+
+
+def _events(sched, run_id):
+    from service import store
+    from service.store.db import session_scope
+
+    with session_scope(sched.factory) as s:
+        return [(e.kind, e.reason) for e in store.list_events(s, run_id=run_id)]
 
 
 def test_failed_submission_requeues_with_the_reason(sched):
