@@ -96,6 +96,7 @@ class Scheduler:
         self.preempting: dict[str, str] = {}  # run asked to yield -> the run it yields to
         self.replanning: dict[str, str] = {}  # run re-queued by an elastic re-plan -> its previous Ray Job
         self.growing: dict[str, Replan] = {}  # elastic runs asked to yield at a checkpoint -> their larger layout
+        self.growth_restored = False  # grow-backs asked before this scheduler started: read back once
         self.last_error: str | None = None
 
     # ------------------------------------------------------------------------------------------- helpers
@@ -244,9 +245,34 @@ class Scheduler:
             logger.info("run %s: %s", run_id, new.reason)
             return  # one at a time: the next tick sees what it freed and took
 
+    def _restore_growth(self) -> None:
+        """Grow-backs asked before this scheduler started (a stored grow request, a ``preempt_request`` starting
+        "elastic:", with no ``elastic`` event after it): the run still yields at its checkpoint (its driver survives a
+        service restart), so its larger layout is planned again here for the nodes' capacity, and applied when it is
+        queued (``_apply_growth`` checks that it still fits)."""
+        self.growth_restored = True
+        waiting = (RunStatus.STARTING, RunStatus.RUNNING, RunStatus.PREEMPTED, RunStatus.QUEUED)
+        with session_scope(self.factory) as s:
+            for run in store.runs_in(s, waiting):
+                if run.sweep_id or not run.plan or not (run.spec or {}).get("elastic") or run.id in self.growing:
+                    continue
+                last = store.list_events(s, run_id=run.id, kinds=[PREEMPT_REQUEST, ELASTIC_EVENT], newest_first=True,
+                                         limit=1)  # fmt: skip
+                if not last or last[0].kind != PREEMPT_REQUEST or not (last[0].reason or "").startswith("elastic:"):
+                    continue
+                spec, plan = RunSpec.model_validate(run.spec), Plan.model_validate(run.plan)
+                nodes = [NodeCapacity(n.node_id, n.total, dict(n.total)) for n in self.capacities()]
+                why = "capacity returned: a larger layout fits (asked before the service restarted)"
+                new = grow(spec, plan, nodes, why=why)
+                if new is not None:
+                    self.growing[run.id] = new
+                    logger.info("run %s: a grow-back asked before the restart is pending: %s", run.id, new.reason)
+
     def _apply_growth(self) -> None:
         """Runs asked to yield to grow back, now queued again (their driver re-queued them from the checkpoint): their
         larger layout, with an ``elastic`` event. Ended ones (finished first, cancelled) are forgotten."""
+        if not self.growth_restored:
+            self._restore_growth()
         for run_id, new in list(self.growing.items()):
             with session_scope(self.factory) as s:
                 try:

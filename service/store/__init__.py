@@ -39,6 +39,7 @@ from service.store.runs import (
     list_runs,
     new_id,
     queued_runs,
+    runs_in,
     set_reason,
 )
 
@@ -55,6 +56,7 @@ __all__ = [
     "list_runs",
     "queued_runs",
     "active_runs",
+    "runs_in",
     "transition",
     "end_run",
     "fence",

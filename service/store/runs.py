@@ -182,6 +182,12 @@ def queued_runs(session: Session) -> list[Run]:
     )
 
 
+def runs_in(session: Session, statuses: Sequence[S | str]) -> list[Run]:
+    """Runs in any of ``statuses``, oldest first."""
+    wanted = [st.value if isinstance(st, S) else st for st in statuses]
+    return list(session.scalars(select(Run).where(Run.status.in_(wanted)).order_by(Run.created_at, Run.id)).all())
+
+
 def active_runs(session: Session) -> list[Run]:
     return list(session.scalars(select(Run).where(Run.status.in_([S.STARTING.value, S.RUNNING.value]))).all())
 

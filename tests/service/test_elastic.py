@@ -145,7 +145,9 @@ def test_grow_picks_the_largest_layout_up_to_max_dp() -> None:
     assert held[0].free["CPU"] == 4.0 and grow(spec, plan, held, why="x").plan.dp == 4
 
 
-def test_an_elastic_run_below_max_dp_grows_back_through_a_checkpoint(sched, tmp_path) -> None:
+@pytest.mark.parametrize("restart", [False, True], ids=["same-service", "service-restarted-after-the-request"])
+def test_an_elastic_run_below_max_dp_grows_back_through_a_checkpoint(sched, tmp_path, restart) -> None:
+    from service.control.scheduler import Scheduler
     from service.runs.preemption import PREEMPT_REQUEST
 
     sched.jobs.stop = lambda job_id: True
@@ -172,6 +174,13 @@ def test_an_elastic_run_below_max_dp_grows_back_through_a_checkpoint(sched, tmp_
         assert len(asked) == 1 and "layout dp2 -> dp4" in asked[0].reason
         assert store.get_run(s, run_id=rid).plan["dp"] == 2  # unchanged until it yields
     sched.tick()  # asked once only
+    with session_scope(sched.factory) as s:
+        assert len(store.list_events(s, run_id=rid, kinds=[PREEMPT_REQUEST], limit=10)) == 1
+    if restart:  # a new service (scheduler) on the same database: the stored request is not forgotten
+        cluster, jobs = sched.cluster, sched.jobs
+        sched = Scheduler(settings=sched.settings, session_factory=sched.factory, cluster=cluster, jobs=jobs)
+        sched.tick()  # still RUNNING: waits for the run to yield, asks nothing twice
+        assert list(sched.growing) == [rid]
     with session_scope(sched.factory) as s:
         assert len(store.list_events(s, run_id=rid, kinds=[PREEMPT_REQUEST], limit=10)) == 1
         # its driver checkpoints, yields and re-queues it (RunLifecycle.requeue)
