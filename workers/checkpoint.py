@@ -21,13 +21,10 @@ What is saved (keys of the DCP state dict):
   eps, ... : ``param_groups.<fqn>.<hyper>`` once flattened) go in as one pickled blob per parameter: as
   separate DCP items they were three quarters of all items and most of the time a save takes. Checkpoints
   written before (one item per hyperparameter) still load.
-  ZeroRedundancyOptimizer (zero 1) is saved PER RANK, not consolidated: each rank saves the state of the
-  parameters it owns (the wrapped local optimizer ``zero.optim``, flattened here into the same key format
-  because its param groups may be empty); ZeRO partitions whole parameters, so the per-rank keys are
-  disjoint and their union is the full state. No gather to rank 0, no memory spike, no
-  ``consolidate_state_dict``. On load each rank reads the keys of the parameters it owns under the NEW
-  layout, so zero 1 reloads as plain AdamW (any layout, FSDP/TP included) or as zero 1 with another dp, and
-  a plain checkpoint reloads into ZeRO.
+  ZeroRedundancyOptimizer (zero 1) is saved PER RANK, not consolidated: each rank saves (in the same key format)
+  the state of the whole parameters it owns; their union is the full state (no gather, no memory spike). On load
+  each rank reads the keys of the parameters it owns under the NEW layout: zero 1 reloads as plain AdamW (any
+  layout) or as zero 1 with another dp, and a plain checkpoint reloads into ZeRO.
 - ``train`` (one blob, same on every rank): step, world size, ``state_dict()`` of the LR schedulers.
 - ``rank<r>`` (one blob per rank r): RNG states (torch CPU, CUDA if present, Python ``random``, numpy if
   importable) and ``extra`` (the caller's data position etc.).
@@ -36,10 +33,9 @@ Resuming on a different world size: model/optimizer reshard; RNG and ``extra`` c
 the world size matches, else every rank gets rank 0's (logged). Samplers should derive their position from
 the step (or from ``extra``, which the caller interprets).
 
-Per-rank directories (Ray Train): every rank may pass its own ``path``; each writes only its
-``__<rank>_*.distcp`` files there, rank 0 also ``.metadata`` and ``meshrun.json``. Merging the directories
-gives the complete checkpoint. With one shared path all land in one directory.
-Without a process group (single process) DCP runs with ``no_dist``.
+Per-rank directories (Ray Train): every rank may pass its own ``path`` (its ``__<rank>_*.distcp`` files; rank 0's
+also ``.metadata`` and ``meshrun.json``); merged, they are the complete checkpoint. Without a process group (single
+process) DCP runs with ``no_dist``. ``workers.checkpoint_async`` writes in the background (``checkpoint.async``).
 """
 
 from __future__ import annotations
@@ -75,9 +71,13 @@ from torch.distributed.checkpoint.state_dict import (
 from workers.checkpoint_manifest import (
     META_FILE,
     PARTIAL_SUFFIX,
+    checkpoint_path,
+    checkpoint_size_bytes,
+    latest_checkpoint,
+    list_checkpoints,
     manifest_name,
+    prune_checkpoints,
     rank_files,
-    remove_partial_saves,
     removed_on_failure,
     verify_checkpoint,
     write_json_atomic,
@@ -96,12 +96,15 @@ __all__ = [
     "load_checkpoint",
     "prune_checkpoints",
     "read_checkpoint_meta",
+    "checkpoint_state",
     "save_checkpoint",
     "usable_checkpoint",
+    "write_checkpoint",
     "verify_checkpoint",
 ]
 
 FORMAT_VERSION = 1
+_STEP_IN_NAME_RE = re.compile(r"step_(\d+)")
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -337,9 +340,9 @@ def _quiet_no_dist() -> Iterator[None]:
         yield
 
 
-def _barrier() -> None:
+def _barrier(group: Any = None) -> None:
     if _dist_on():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 # ------------------------------------------------------------------------------------------- save/load
@@ -358,27 +361,43 @@ def save_checkpoint(
     rank calls it with its model parts (the pipeline parts of this rank, or ``[model]``), their optimizers
     (one per part), LR schedulers, the step just completed, and ``extra`` (this rank's data position etc.).
     """
-    t0 = time.perf_counter()
+    state = checkpoint_state(model_parts=model_parts, optimizers=optimizers, schedulers=schedulers, step=step,
+                             extra=extra)  # fmt: skip
+    write_checkpoint(path, state, step=step, plan=plan, spec=spec)
+
+
+def checkpoint_state(
+    *, model_parts: Sequence[nn.Module] | nn.Module, optimizers: Any, schedulers: Any, step: int, extra: Any = None
+) -> dict[str, Any]:
+    """This rank's DCP state dict (live tensors: ``workers.checkpoint_async`` copies them before writing)."""
     parts = _as_list(model_parts)
-    rank, world = _rank(), _world()
-    state: dict[str, Any] = {
+    return {
         "model": _model_state(parts),
         "optim": _pack_hypers(_optim_state(_pairs(parts, optimizers))),
         # python objects go in as opaque blobs (DCP would otherwise flatten nested dicts/lists into keys)
         "train": _blob(
-            {"step": int(step), "world_size": world, "lr_scheduler": [s.state_dict() for s in _as_list(schedulers)]}
+            {"step": int(step), "world_size": _world(), "lr_scheduler": [s.state_dict() for s in _as_list(schedulers)]}
         ),
-        f"rank{rank}": _blob({"rng": _rng_state(), "extra": dict(extra or {})}),
+        f"rank{_rank()}": _blob({"rng": _rng_state(), "extra": dict(extra or {})}),
     }
+
+
+def write_checkpoint(
+    path: str | os.PathLike, state: dict[str, Any], *, step: int, plan: Any = None, spec: Any = None, group: Any = None
+) -> None:
+    """Write ``state`` (``checkpoint_state``) as the checkpoint of ``step`` at ``path``: collective over ``group``
+    (default: the world; the background writer passes its own gloo group of the same ranks)."""
+    t0 = time.perf_counter()
+    rank, world = _rank(), _world()
     path = Path(path)
     staging = path.with_name(path.name + PARTIAL_SUFFIX)  # published (renamed to ``path``) only when complete
     with removed_on_failure(staging):  # ENOSPC or a crash mid-save: the unpublished directory goes
         staging.mkdir(parents=True, exist_ok=True)
         writer = dcp.FileSystemWriter(str(staging), overwrite=True)
         with _quiet_no_dist():
-            dcp.save(state, storage_writer=writer, no_dist=not _dist_on())
+            dcp.save(state, storage_writer=writer, process_group=group, no_dist=not _dist_on())
         write_manifest(staging, rank, rank_files(staging, rank))
-    _barrier()
+    _barrier(group)
     # one directory for all ranks (rank 0 publishes it) or one per rank: decided while nobody can have published yet
     shared = rank != 0 and (staging / manifest_name(0)).exists()
     if rank == 0:
@@ -393,10 +412,10 @@ def save_checkpoint(
             "created_at": time.time(),
         }
         write_json_atomic(staging / META_FILE, meta)
-    _barrier()
+    _barrier(group)
     if not shared:
         _publish(staging, path)
-    _barrier()
+    _barrier(group)
     logger.info("saved checkpoint step %d to %s in %.2f s", step, path, time.perf_counter() - t0)
 
 
@@ -534,67 +553,3 @@ def load_checkpoint(
         "spec": meta.get("spec"),
         "world_size": saved_world,
     }
-
-
-# ------------------------------------------------------------------------------------------- files
-def checkpoint_path(root: str | os.PathLike, step: int) -> Path:
-    """The conventional directory of the checkpoint of ``step`` under ``root``: ``root/step_00000042``."""
-    return Path(root) / f"step_{int(step):08d}"
-
-
-def checkpoint_size_bytes(path: str | os.PathLike) -> int:
-    """Total size of the files of a checkpoint directory (recursive)."""
-    total = 0
-    for dirpath, _, files in os.walk(os.fspath(path)):
-        for f in files:
-            try:
-                total += os.path.getsize(os.path.join(dirpath, f))
-            except OSError:  # removed while walking
-                pass
-    return total
-
-
-_STEP_RE = re.compile(r"(\d+)$")
-_STEP_IN_NAME_RE = re.compile(r"step_(\d+)")
-
-
-def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
-    """Complete checkpoints (directories with ``meshrun.json``) directly under ``root``, oldest first."""
-    out: list[tuple[int, Path]] = []
-    rootp = Path(root)
-    if not rootp.is_dir():
-        return out
-    for d in rootp.iterdir():
-        if not d.is_dir() or not (d / META_FILE).is_file() or verify_checkpoint(d, checksums=False) is not None:
-            continue
-        try:
-            step = int(json.loads((d / META_FILE).read_text())["step"])
-        except (ValueError, KeyError, json.JSONDecodeError):
-            m = _STEP_RE.search(d.name)
-            if not m:
-                continue
-            step = int(m.group(1))
-        out.append((step, d))
-    out.sort(key=lambda t: (t[0], t[1].name))
-    return out
-
-
-def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The complete checkpoint with the highest step under ``root``, or None."""
-    cps = list_checkpoints(root)
-    return cps[-1][1] if cps else None
-
-
-def prune_checkpoints(root: str | os.PathLike, keep: int) -> list[Path]:
-    """Delete all but the ``keep`` newest complete checkpoints under ``root``; returns what was deleted.
-    Unpublished ``*.partial`` directories (a save that crashed or hit a full disk) go too. Call it on one rank
-    (rank 0) after the save's barrier (no save is in progress then)."""
-    if keep < 1:
-        raise ValueError(f"checkpoint.keep must be >= 1, got {keep}")
-    remove_partial_saves(root)
-    cps = list_checkpoints(root)
-    doomed = [p for _, p in cps[:-keep]]
-    for p in doomed:
-        shutil.rmtree(p, ignore_errors=True)
-        logger.info("pruned checkpoint %s", p)
-    return doomed

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -116,3 +117,66 @@ def removed_on_failure(staging: Path) -> Iterator[None]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+# ----------------------------------------------------------------------------- the checkpoints of a directory
+def checkpoint_path(root: str | os.PathLike, step: int) -> Path:
+    """The conventional directory of the checkpoint of ``step`` under ``root``: ``root/step_00000042``."""
+    return Path(root) / f"step_{int(step):08d}"
+
+
+def checkpoint_size_bytes(path: str | os.PathLike) -> int:
+    """Total size of the files of a checkpoint directory (recursive)."""
+    total = 0
+    for dirpath, _, files in os.walk(os.fspath(path)):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(dirpath, f))
+            except OSError:  # removed while walking
+                pass
+    return total
+
+
+_STEP_RE = re.compile(r"(\d+)$")
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints (directories with ``meshrun.json``) directly under ``root``, oldest first."""
+    out: list[tuple[int, Path]] = []
+    rootp = Path(root)
+    if not rootp.is_dir():
+        return out
+    for d in rootp.iterdir():
+        if not d.is_dir() or not (d / META_FILE).is_file() or verify_checkpoint(d, checksums=False) is not None:
+            continue
+        try:
+            step = int(json.loads((d / META_FILE).read_text())["step"])
+        except (ValueError, KeyError, json.JSONDecodeError):
+            m = _STEP_RE.search(d.name)
+            if not m:
+                continue
+            step = int(m.group(1))
+        out.append((step, d))
+    out.sort(key=lambda t: (t[0], t[1].name))
+    return out
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The complete checkpoint with the highest step under ``root``, or None."""
+    cps = list_checkpoints(root)
+    return cps[-1][1] if cps else None
+
+
+def prune_checkpoints(root: str | os.PathLike, keep: int) -> list[Path]:
+    """Delete all but the ``keep`` newest complete checkpoints under ``root``; returns what was deleted.
+    Unpublished ``*.partial`` directories (a save that crashed or hit a full disk) go too. Call it on one rank
+    (rank 0) after the save's barrier (no save is in progress then)."""
+    if keep < 1:
+        raise ValueError(f"checkpoint.keep must be >= 1, got {keep}")
+    remove_partial_saves(root)
+    cps = list_checkpoints(root)
+    doomed = [p for _, p in cps[:-keep]]
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+        logger.info("pruned checkpoint %s", p)
+    return doomed

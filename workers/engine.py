@@ -23,6 +23,7 @@ import torch.distributed as dist
 from api.spec import Plan, RunSpec
 from api.spec.validation import SpecError, check_spec
 from workers.checkpoint import load_checkpoint, usable_checkpoint
+from workers.checkpoint_async import AsyncCheckpointer
 from workers.comm_hooks import Tracker, measure_p2p_link
 from workers.data import build_batches
 from workers.diagnostics import FaultInjector, Heartbeat, RankState, install_stack_dump
@@ -88,6 +89,7 @@ class Engine:
     all_params: list[torch.nn.Parameter] = field(default_factory=list)  # every part's, for the gradient norm
     pp_group: Any = None  # the pipeline's process group (the gradient norm sums over it)
     loss_owner: bool = True  # this rank's loss is the reported one: it holds the last stage, TP rank 0
+    saver: AsyncCheckpointer | None = None  # checkpoint.async: the background writer
 
     @property
     def spec(self) -> RunSpec:
@@ -289,4 +291,5 @@ def build_engine(job: WorkerJob, dims: ParallelDims, device: torch.device, inst:
         all_params=[p for part in parts for p in part.model.parameters()],
         pp_group=dims.pp_mesh.get_group() if dims.pp_enabled else None,
         loss_owner=(runner.has_last_stage if runner is not None else True) and dims.tp_rank == 0,
+        saver=AsyncCheckpointer.create(device) if spec.checkpoint.async_save and job.checkpoint_dir else None,
     )

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from workers.checkpoint import prune_checkpoints, save_checkpoint
+from workers.checkpoint import checkpoint_state, prune_checkpoints, write_checkpoint
 from workers.engine import Engine, WorkerJob, build_engine, setup_mesh, start_instruments
 from workers.hooks import Hooks
 from workers.metrics import CROSS_GROUP
@@ -129,10 +129,14 @@ def train_steps(e: Engine, hooks: Hooks) -> LoopTiming:
         if e.reporter.due(step, force=ckpt_due):
             report(e, step, hooks)
         last_end = checkpoint(e, step, last_end, ckpt_due, hooks)
+        if e.saver is not None:
+            e.saver.poll(listed(e, hooks))  # a background save complete on every rank: listed now
         if e.reporter.stop_agreed:
             why = f"preemption notice on ranks {e.reporter.preempted_ranks}" if e.reporter.preempted_ranks else "stop"
             log.info("%s: stopping after step %d", why, step)
             break
+    if e.saver is not None:
+        e.saver.wait(listed(e, hooks))
     with e.inst.tracker.paused():
         e.reporter.report()
     timing = LoopTiming(t_start, time.perf_counter() - loop_t0, time.process_time() - loop_cpu0)
@@ -239,31 +243,45 @@ def checkpoint(e: Engine, step: int, last_end: Any, due: bool, hooks: Hooks) -> 
     if emergency and e.averager is not None:  # every rank is here (the vote was all-gathered): average the replicas
         e.averager.maybe_sync(step, force=True)
     with e.inst.tracker.paused():
-        e.last_checkpoint = save(e, step)
-    if hooks.on_checkpoint is not None:
-        hooks.on_checkpoint(step, e.last_checkpoint)
+        if e.saver is not None and not emergency:  # checkpoint.async: copied now, listed once written everywhere
+            path = f"{e.job.checkpoint_dir}/step_{step:08d}"
+            e.saver.save(path, state(e, step), step=step, plan=e.plan, spec=e.spec, on_done=listed(e, hooks))
+        else:
+            if e.saver is not None:
+                e.saver.wait(listed(e, hooks))  # the save in flight first
+            save(e, step)
+            listed(e, hooks)(step, f"{e.job.checkpoint_dir}/step_{step:08d}")
     return last_end if emergency else e.reporter.restart_period(last_end)
 
 
-def save(e: Engine, step: int) -> str:
-    """Every rank saves its shard of ``step`` under ``checkpoint_dir``; rank 0 prunes the old ones."""
-    job, spec = e.job, e.spec
-    path = f"{job.checkpoint_dir}/step_{step:08d}"
-    save_checkpoint(
-        path,
-        model_parts=e.model_parts,
-        optimizers=e.optimizers,
-        schedulers=e.schedulers,
-        step=step,
-        plan=e.plan,
-        spec=spec,
-        extra={"data": e.batches.state_dict(step), "run_id": job.run_id, "attempt": job.attempt},
+def state(e: Engine, step: int) -> dict[str, Any]:
+    job = e.job
+    extra = {"data": e.batches.state_dict(step), "run_id": job.run_id, "attempt": job.attempt}
+    return checkpoint_state(
+        model_parts=e.model_parts, optimizers=e.optimizers, schedulers=e.schedulers, step=step, extra=extra
     )
+
+
+def save(e: Engine, step: int) -> str:
+    """Every rank saves its shard of ``step`` under ``checkpoint_dir``."""
+    path = f"{e.job.checkpoint_dir}/step_{step:08d}"
+    write_checkpoint(path, state(e, step), step=step, plan=e.plan, spec=e.spec)
     dist.barrier()
-    if dist.get_rank() == 0 and job.checkpoint_dir:
-        prune_checkpoints(job.checkpoint_dir, spec.checkpoint.keep)
-    log.info("checkpoint of step %d at %s", step, path)
     return path
+
+
+def listed(e: Engine, hooks: Hooks) -> Callable[[int, str], None]:
+    """What follows a checkpoint complete on every rank: rank 0 prunes the old ones, it is reported."""
+
+    def done(step: int, path: str) -> None:
+        e.last_checkpoint = path
+        if dist.get_rank() == 0 and e.job.checkpoint_dir:
+            prune_checkpoints(e.job.checkpoint_dir, e.spec.checkpoint.keep)
+        log.info("checkpoint of step %d at %s", step, path)
+        if hooks.on_checkpoint is not None:
+            hooks.on_checkpoint(step, path)
+
+    return done
 
 
 # ------------------------------------------------------------------------------------------- summary
@@ -286,4 +304,7 @@ def summarize(e: Engine, timing: LoopTiming) -> dict:
         "preempt_cause": e.preempt_cause,
         "last_checkpoint": e.last_checkpoint,
         "profiles": e.profiler.written,
+        # checkpoint.async: the loop's cost of each save (the copy) and the writer's time (overlapped)
+        "checkpoint_copy_s": list(e.saver.copy_s) if e.saver is not None else None,
+        "checkpoint_write_s": list(e.saver.write_s) if e.saver is not None else None,
     }

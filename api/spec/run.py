@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import AliasChoices, Field, field_validator
 
 from api.spec._base import (
     ENTRYPOINT_RE,
@@ -234,6 +234,14 @@ class CheckpointSpec(_Spec):
     keep: int = Field(2, ge=1, le=1000)
     storage: str | None = Field(
         None, max_length=4096, description="Directory or fsspec URL; default: the service's data dir."
+    )
+    async_save: bool = Field(
+        False,
+        validation_alias=AliasChoices("async", "async_save"),
+        description="`async: true`: write checkpoints in the background (each rank copies its state to host memory, "
+        "then training goes on while a writer thread saves it; at most one save in flight; a checkpoint is listed "
+        "only once written on every rank, and a failed save fails the attempt). Costs a second copy of the state "
+        "in host memory during a save.",
     )
 
 

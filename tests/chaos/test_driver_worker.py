@@ -8,8 +8,9 @@ Two runs at once (tiny GPT, one rank each, a slowed rank 0, a checkpoint every 5
   failure of the run and, within ``max_failures``, re-queues it by itself with one readable sentence ("driver lost:
   ...; resuming from the checkpoint of step N (failure 1 of max_failures=2)"); it continues from that checkpoint as
   a second Ray Job and SUCCEEDS with every step's metrics once;
-- run W: its rank 0 worker is killed after the first checkpoint. Ray Train restarts the worker group from the latest
-  checkpoint (a new attempt, counted against ``max_failures``) and the run SUCCEEDS with every step's metrics once.
+- run W (``checkpoint.async``: saves written in the background): its rank 0 worker is killed after the first
+  checkpoint is listed. Ray Train restarts the worker group from the latest listed checkpoint (a new attempt,
+  counted against ``max_failures``) and the run SUCCEEDS with every step's metrics once, its last save listed.
 
 Afterwards: no metric row stored after its attempt ended, no placement group left (all REMOVED), no driver or worker
 process of either run alive.
@@ -23,6 +24,7 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.chaos.conftest import OwnedService
@@ -71,7 +73,9 @@ def test_killed_driver_and_killed_worker_leave_no_loss_no_leak(owned_service: Ow
     svc = owned_service
     svc.start()
     d = submit(svc.url, chaos_spec("chaos-driver-kill"))
-    w = submit(svc.url, chaos_spec("chaos-worker-kill"))
+    w_spec = chaos_spec("chaos-worker-kill")
+    w_spec["checkpoint"] = {**w_spec["checkpoint"], "async": True}  # written in the background, listed when complete
+    w = submit(svc.url, w_spec)
     _wait_checkpoint(svc.url, d["id"])
     _wait_checkpoint(svc.url, w["id"])
     workers_d = _rank_pids(svc.url, d["id"])
@@ -89,6 +93,9 @@ def test_killed_driver_and_killed_worker_leave_no_loss_no_leak(owned_service: Ow
     assert not gone(workers_d, timeout_s=60), "run D's workers outlived its driver"
 
     done_w = wait_for(svc.url, w["id"], {"SUCCEEDED"}, timeout_s=900)
+    assert done_w["spec"]["checkpoint"]["async_save"] is True
+    listed = httpx.get(f"{svc.url}/v1/runs/{w['id']}/checkpoints", timeout=30).json()["items"]
+    assert {c["step"] for c in listed} >= {STEPS}, listed  # the last background save was waited for and listed
     _every_step_once(svc.url, w["id"])
     assert done_w["summary"]["steps_done"] == STEPS
     assert done_w["attempts"] >= 2, done_w  # the worker's loss was a new attempt
