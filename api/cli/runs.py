@@ -293,7 +293,12 @@ def goodput_line(g: Any) -> str:
     lost = [(k, v) for k, v in g.lost_s.model_dump().items() if v >= 0.5]
     tail = ", ".join(f"{k.replace('_', ' ')} {v:.0f} s" for k, v in lost)
     redone = f"; {g.recomputed_steps} steps redone" if g.recomputed_steps else ""
-    return head + (f"; lost: {tail}" if tail else "") + redone
+    per = []
+    for a in g.attempts_detail:  # empty from a service before the split
+        mine = ", ".join(f"{k.replace('_', ' ')} {v:.0f} s" for k, v in a.lost_s.model_dump().items() if v >= 0.5)
+        per.append(f"#{a.attempt} {a.productive_s:.0f} s" + (f" ({mine})" if mine else ""))
+    attempts = f"; per attempt: {'; '.join(per)}" if len(per) > 1 else ""
+    return head + (f"; lost: {tail}" if tail else "") + redone + attempts
 
 
 @command(app, "metrics")

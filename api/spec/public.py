@@ -133,7 +133,26 @@ class GoodputLost(_Public):
     failure_detection: float = Field(0.0, description="Last finished step of a failed attempt to its error.")
     restart: float = Field(0.0, description="Error or preemption back to the next first step, queue excluded.")
     recomputed_steps: float = Field(0.0, description="Step time of steps done again after a restart.")
-    other: float = Field(0.0, description="The rest: checkpoints, reports, the driver's start and end.")
+    checkpoint_stall: float = Field(
+        0.0, description="Periodic saves holding the loop (end of a checkpoint's step to the next step's start)."
+    )
+    other: float = Field(0.0, description="The rest: reports, the driver's start and end.")
+
+
+class GoodputAttemptLost(_Public):
+    """Seconds lost by or before one attempt, per cause."""
+
+    startup: float = 0.0
+    failure_detection: float = 0.0
+    restart: float = 0.0
+    recomputed_steps: float = 0.0
+    checkpoint_stall: float = 0.0
+
+
+class GoodputAttempt(_Public):
+    attempt: int
+    productive_s: float = Field(0.0, description="Its step time that counts (steps not redone later).")
+    lost_s: GoodputAttemptLost = Field(default_factory=GoodputAttemptLost)
 
 
 class RunGoodput(_Public):
@@ -147,6 +166,9 @@ class RunGoodput(_Public):
     lost_s: GoodputLost
     recomputed_steps: int = 0
     attempts: int = 0
+    attempts_detail: list[GoodputAttempt] = Field(
+        default_factory=list, description="Per attempt (worker-group start): productive time and what it lost."
+    )
 
 
 class LogsPublic(_Public):

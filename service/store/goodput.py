@@ -11,7 +11,13 @@ step, ``step_time_s`` its duration) and its ``worker_error`` events. ``account``
 - restart: from that error (or the end of a preempted attempt) back to the start of the next first step, the queue
   time excluded;
 - recomputed_steps: the step time of steps done again after a restart (past the checkpoint resumed from);
-- other: the rest (checkpoints, reports, the driver's start and end, a run still starting).
+- checkpoint_stall: what periodic saves held the loop: the gap between the end of a checkpoint's step and the start
+  of the next step of the same attempt (a step's period leaves the save out; ``checkpoint.async`` shrinks it to the
+  copy);
+- other: the rest (reports, the driver's start and end, a run still starting).
+
+``attempts_detail`` splits the same per attempt: its productive and recomputed step time, and the startup, failure
+detection, restart and checkpoint stall that led to or held it.
 """
 
 from __future__ import annotations
@@ -24,9 +30,10 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from service.store.models import Metric, Run, RunAttempt, RunEvent
+from service.store.models import Checkpoint, Metric, Run, RunAttempt, RunEvent
 
-CAUSES = ("queue", "startup", "failure_detection", "restart", "recomputed_steps", "other")
+CAUSES = ("queue", "startup", "failure_detection", "restart", "recomputed_steps", "checkpoint_stall", "other")
+PER_ATTEMPT = ("startup", "failure_detection", "restart", "recomputed_steps", "checkpoint_stall")
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,7 @@ class AttemptTimes:
     step_time_s: float
     recomputed_s: float = 0.0
     recomputed_steps: int = 0
+    checkpoint_stall_s: float = 0.0
 
 
 def account(
@@ -64,22 +72,28 @@ def account(
     requeued = sorted(t for t, to in states if to in ("PREEMPTED", "QUEUED"))
     lost = dict.fromkeys(CAUSES, 0.0)
     lost["queue"] = queue
+    detail: list[dict[str, Any]] = []
     prev: AttemptTimes | None = None
     for a in sorted(attempts, key=lambda x: x.attempt):
+        mine = dict.fromkeys(PER_ATTEMPT, 0.0)
+        mine["recomputed_steps"], mine["checkpoint_stall"] = a.recomputed_s, a.checkpoint_stall_s
+        detail.append({"attempt": a.attempt, "productive_s": a.step_time_s - a.recomputed_s, "lost_s": mine})
         if a.first_start is None:
             continue  # no step yet: its time goes to the next attempt's restart (or to other)
         sub = max((s for s in starts if s <= a.started_at), default=None)
         if prev is None or prev.last_end is None:
-            lost["startup"] += max(0.0, a.first_start - (sub if sub is not None else a.started_at))
+            mine["startup"] = max(0.0, a.first_start - (sub if sub is not None else a.started_at))
         elif sub is not None and sub >= prev.last_end:  # a new Ray Job after a preemption (or a resume)
             stop = min((t for t in requeued if t >= prev.last_end), default=sub)
-            lost["restart"] += max(0.0, stop - prev.last_end) + max(0.0, a.first_start - sub)
+            mine["restart"] = max(0.0, stop - prev.last_end) + max(0.0, a.first_start - sub)
         else:  # Ray Train restarted the worker group after a failure
             err = min((e for e in error_times if prev.last_end <= e <= a.first_start), default=a.started_at)
-            lost["failure_detection"] += max(0.0, err - prev.last_end)
-            lost["restart"] += max(0.0, a.first_start - err)
+            mine["failure_detection"] = max(0.0, err - prev.last_end)
+            mine["restart"] = max(0.0, a.first_start - err)
         prev = a
-    lost["recomputed_steps"] = sum(a.recomputed_s for a in attempts)
+    for d in detail:
+        for k, v in d["lost_s"].items():
+            lost[k] += v
     productive = sum(a.step_time_s for a in attempts) - lost["recomputed_steps"]
     lost["other"] = max(0.0, wall - productive - sum(v for k, v in lost.items() if k != "other"))
     return {
@@ -89,6 +103,7 @@ def account(
         "lost_s": lost,
         "recomputed_steps": sum(a.recomputed_steps for a in attempts),
         "attempts": len(attempts),
+        "attempts_detail": detail,
     }
 
 
@@ -149,7 +164,25 @@ def run_goodput(session: Session, *, run: Run, now: datetime | None = None) -> d
                 ).one()
                 redo_n, redo_s = int(redo[0]), float(redo[1] or 0.0)
         begun = _ts(started.get(n)) or first_start or 0.0
-        attempts.append(AttemptTimes(n, begun, first_start, last_end, total, redo_s, redo_n))
+        stall = _checkpoint_stall(session, rid, n) if row is not None else 0.0
+        attempts.append(AttemptTimes(n, begun, first_start, last_end, total, redo_s, redo_n, stall))
     created = _ts(run.created_at) or 0.0
     end = _ts(run.finished_at) or _ts(now) or datetime.now(UTC).timestamp()
     return account(created=created, end=end, states=states, attempts=attempts, error_times=errors)
+
+
+def _checkpoint_stall(session: Session, run_id: str, attempt: int) -> float:
+    """Seconds the attempt's periodic saves held its loop: for each checkpoint it recorded at step s, the start of
+    its step s+1 (end minus period) less the end of step s."""
+    saved = set(
+        session.scalars(select(Checkpoint.step).where(Checkpoint.run_id == run_id, Checkpoint.attempt == attempt))
+    )
+    if not saved:
+        return 0.0
+    rows = session.execute(
+        select(Metric.step, Metric.time, Metric.step_time_s).where(
+            Metric.run_id == run_id, Metric.attempt == attempt, Metric.step.in_(sorted(saved | {k + 1 for k in saved}))
+        )
+    ).all()
+    at = {int(step): (_ts(t) or 0.0, float(period or 0.0)) for step, t, period in rows}
+    return sum(max(0.0, (at[k + 1][0] - at[k + 1][1]) - at[k][0]) for k in saved if k in at and k + 1 in at)

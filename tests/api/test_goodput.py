@@ -29,9 +29,12 @@ def test_goodput_of_a_run_restarted_after_a_failure(client) -> None:
         store.start_attempt(s, run_id=rid, cause="restart")
         # steps 1..4 of attempt 1 (1 s each, from t=20), steps 3..6 of attempt 2 (from t=40)
         rows1 = [{"step": k, "step_time_s": 1.0, "time": _at(20 + k).timestamp()} for k in range(1, 5)]
-        rows2 = [{"step": k, "step_time_s": 1.0, "time": _at(40 + k - 2).timestamp()} for k in range(3, 7)]
+        # attempt 2 saves a checkpoint after step 4 that holds its loop for 2 s: steps 5 and 6 come 2 s later
+        rows2 = [{"step": k, "step_time_s": 1.0, "time": _at(40 + k - 2 + (2 if k > 4 else 0)).timestamp()}
+                 for k in range(3, 7)]  # fmt: skip
         store.add_metrics(s, run_id=rid, attempt=1, rows=rows1)
         store.add_metrics(s, run_id=rid, attempt=2, rows=rows2)
+        store.add_checkpoint(s, run_id=rid, attempt=2, step=4, path="/ck/4")
         store.end_run(s, run_id=rid, to="SUCCEEDED", reason="done")
         s.execute(update(Run).where(Run.id == rid).values(created_at=_at(0), finished_at=_at(50)))
         times = {"QUEUED": 0, "STARTING": 10, "RUNNING": 11, "SUCCEEDED": 50}
@@ -54,9 +57,20 @@ def test_goodput_of_a_run_restarted_after_a_failure(client) -> None:
     assert lost["failure_detection"] == pytest.approx(27 - 24)  # end of step 4 -> the worker error
     assert lost["restart"] == pytest.approx(40 - 27)  # the error -> start of the first step of attempt 2
     assert lost["recomputed_steps"] == pytest.approx(2)
+    assert lost["checkpoint_stall"] == pytest.approx(2)  # end of step 4 -> start of step 5 of the same attempt
     assert g["goodput"] == pytest.approx(6 / 50)
+    assert g["productive_s"] + sum(lost.values()) == pytest.approx(g["wall_s"])
+    one, two = g["attempts_detail"]
+    assert one["attempt"] == 1 and one["productive_s"] == pytest.approx(2)  # steps 3 and 4 were redone
+    assert one["lost_s"]["startup"] == pytest.approx(10) and one["lost_s"]["recomputed_steps"] == pytest.approx(2)
+    assert two["attempt"] == 2 and two["productive_s"] == pytest.approx(4)
+    assert {k: v for k, v in two["lost_s"].items() if v} == pytest.approx(
+        {"failure_detection": 3, "restart": 13, "checkpoint_stall": 2})
     assert client.get("/v1/runs/run-000000000000/goodput").status_code == 404
     page = client.get(f"/runs/{rid}")
     assert page.status_code == 200
     card = page.text.split('id="goodput"', 1)[1].split("</div>", 1)[0]
     assert "12.0%" in card and "restart" in card  # 12% of 50 s; the largest causes
+    lost_cells = [row.split('class="small attempt-lost">', 1)[1].split("</td>", 1)[0]
+                  for row in page.text.split('<tr class="attempt-row">')[1:]]  # fmt: skip
+    assert len(lost_cells) == 2 and "startup" in lost_cells[0] and "checkpoint stall" in lost_cells[1], lost_cells

@@ -24,7 +24,7 @@ def test_a_run_with_a_failure_and_a_preemption_is_accounted_to_the_second() -> N
     attempts = [
         AttemptTimes(1, 12.0, 20.0, 50.0, 30.0, recomputed_s=5.0, recomputed_steps=5),
         AttemptTimes(2, 55.0, 60.0, 100.0, 40.0),
-        AttemptTimes(3, 112.0, 115.0, 135.0, 20.0),
+        AttemptTimes(3, 112.0, 115.0, 135.0, 20.0, checkpoint_stall_s=1.5),
     ]
     g = account(created=0.0, end=136.0, states=states, attempts=attempts, error_times=[53.0])
     lost = g["lost_s"]
@@ -34,7 +34,14 @@ def test_a_run_with_a_failure_and_a_preemption_is_accounted_to_the_second() -> N
     assert lost["restart"] == pytest.approx(7 + 1 + 5)  # error -> first step; stop after the notice; new job
     assert lost["recomputed_steps"] == pytest.approx(5)
     assert g["productive_s"] == pytest.approx(85)
-    assert lost["other"] == pytest.approx(136 - 85 - 18 - 10 - 3 - 13 - 5)
+    assert lost["checkpoint_stall"] == pytest.approx(1.5)
+    assert lost["other"] == pytest.approx(136 - 85 - 18 - 10 - 3 - 13 - 5 - 1.5)
+    per = {d["attempt"]: d for d in g["attempts_detail"]}
+    assert per[1]["lost_s"]["startup"] == pytest.approx(10) and per[1]["productive_s"] == pytest.approx(25)
+    assert per[2]["lost_s"]["failure_detection"] == pytest.approx(3) and per[2]["lost_s"]["restart"] == pytest.approx(7)
+    assert per[3]["lost_s"]["restart"] == pytest.approx(6) and per[3]["lost_s"]["checkpoint_stall"] == pytest.approx(1.5)
+    for cause in ("startup", "failure_detection", "restart", "recomputed_steps", "checkpoint_stall"):
+        assert sum(d["lost_s"][cause] for d in g["attempts_detail"]) == pytest.approx(lost[cause])
     assert g["goodput"] == pytest.approx(85 / 136)
     assert g["recomputed_steps"] == 5 and g["attempts"] == 3
     assert g["productive_s"] + sum(lost.values()) == pytest.approx(g["wall_s"])
@@ -44,3 +51,22 @@ def test_a_queued_run_has_no_goodput_yet_and_loses_only_queue_time() -> None:
     g = account(created=0.0, end=30.0, states=[(0.0, "QUEUED")], attempts=[])
     assert g["goodput"] == 0 and g["lost_s"]["queue"] == pytest.approx(30)
     assert account(created=5.0, end=5.0, states=[], attempts=[])["goodput"] is None
+
+
+def test_the_cli_line_names_each_attempts_losses_when_there_are_several() -> None:
+    from api.cli.runs import goodput_line
+    from api.spec import RunGoodput
+
+    states = [(0.0, "QUEUED"), (10.0, "STARTING"), (11.0, "RUNNING"), (136.0, "SUCCEEDED")]
+    attempts = [
+        AttemptTimes(1, 12.0, 20.0, 50.0, 30.0, recomputed_s=5.0, recomputed_steps=5),
+        AttemptTimes(2, 55.0, 60.0, 135.0, 75.0, checkpoint_stall_s=1.5),
+    ]
+    g = RunGoodput.model_validate(
+        {"run_id": "r", "status": "SUCCEEDED", **account(created=0.0, end=136.0, states=states, attempts=attempts,
+                                                         error_times=[53.0])}  # fmt: skip
+    )
+    line = goodput_line(g)
+    assert line.startswith(f"{g.goodput:.1%} of 136 s; lost: queue 10 s, startup 10 s, failure detection 3 s")
+    assert line.endswith("; per attempt: #1 25 s (startup 10 s, recomputed steps 5 s); #2 75 s (failure detection 3 s, "
+                         "restart 7 s, checkpoint stall 2 s)"), line

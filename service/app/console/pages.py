@@ -183,6 +183,7 @@ def _run_context(request: Request, principal: Principal, run_id: str) -> dict[st
             ((k.replace("_", " "), v) for k, v in (goodput or {}).get("lost_s", {}).items() if v >= 0.5),
             key=lambda kv: -kv[1],
         ),
+        "goodput_by_attempt": {d["attempt"]: d for d in (goodput or {}).get("attempts_detail", [])},
         "ray_link": ray_job_link(request, principal, run.ray_job_id, run.dashboard_url),
         "per_rank_peaks": sorted(
             ((int(k), int(v)) for k, v in ((summary or {}).get("peak_memory_bytes_per_rank") or {}).items()),
