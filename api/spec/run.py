@@ -318,13 +318,31 @@ class ResourcesSpec(_Spec):
     priority: int = Field(0, ge=-1000, le=1000, description="Higher runs first; FIFO within a priority.")
 
 
+class ElasticLayout(_Spec):
+    """One layout an elastic run may take: its degrees (the run's other layout settings are kept; sequence
+    parallelism only where tp > 1)."""
+
+    dp: int = Field(1, ge=1, le=MAX_WORLD_SIZE)
+    tp: int = Field(1, ge=1, le=MAX_WORLD_SIZE)
+    pp: int = Field(1, ge=1, le=MAX_WORLD_SIZE)
+
+
 class ElasticSpec(_Spec):
-    """Bounds of the data-parallel degree when the run's layout can no longer be placed (a node lost for good): the
-    service re-plans it with the largest dp in [min_dp, max_dp] that fits, keeping the global batch (more gradient
-    accumulation per rank), and resumes it from its latest checkpoint resharded into that layout."""
+    """What the service may change when the run's layout can no longer be placed (a node lost for good), and back
+    when capacity returns: the data-parallel degree within [min_dp, max_dp] (the largest that fits), or, with
+    ``layouts``, any of the listed layouts (the first that fits, best first). The global batch is kept (more
+    gradient accumulation per rank) and the run resumes from its latest checkpoint resharded into that layout."""
 
     min_dp: int = Field(1, ge=1, le=MAX_WORLD_SIZE)
     max_dp: int | None = Field(None, ge=1, le=MAX_WORLD_SIZE, description="Default: the layout's dp.")
+    layouts: list[ElasticLayout] | None = Field(
+        None,
+        min_length=1,
+        max_length=16,
+        description="Instead of dp bounds: the layouts the run may take, best first (the submitted layout ranks "
+        "first unless listed). After node loss: the first that fits the alive nodes; when capacity returns and "
+        "nothing waits: one listed before the current one that fits the free resources.",
+    )
 
     @field_validator("max_dp")
     @classmethod
@@ -367,7 +385,9 @@ class RunSpec(_Spec):
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
     profile: ProfileSpec | None = Field(None, description="Profile a window of steps on every rank; null = off.")
     faults: FaultsSpec | None = Field(None, description="Injected faults for chaos tests; null = none.")
-    elastic: ElasticSpec | None = Field(None, description="Re-plan within dp bounds after node loss; null = off.")
+    elastic: ElasticSpec | None = Field(
+        None, description="Re-plan within dp bounds or a list of layouts after node loss; null = off."
+    )
     cluster: RunClusterSpec = Field(default_factory=RunClusterSpec)
     skip_memory_check: bool = Field(False, description="Submit even if the planner predicts it will not fit.")
     labels: dict[str, str] = Field(default_factory=dict)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from api.spec._base import MAX_WORLD_SIZE
+from api.spec.elastic import candidate
 from api.spec.hf import HFConfigError, hf_param_count, read_hf_config
 from api.spec.layout import ResolvedLayout
 from api.spec.plan import ModelConfig, Plan
@@ -348,7 +349,25 @@ def check_spec(spec: RunSpec) -> SpecCheck:
             "checkpoint.every_steps",
             f"every_steps={spec.checkpoint.every_steps} > steps={spec.train.steps}: no checkpoint will be written",
         )
+    if chk.ok and spec.elastic is not None and spec.elastic.layouts:
+        _check_elastic_layouts(spec, chk)
     return chk
+
+
+def _check_elastic_layouts(spec: RunSpec, chk: SpecCheck) -> None:
+    """Every listed layout must be one the run can take (its model, its global batch): an entry that can never run
+    is found at submission, not after a node is lost."""
+    assert spec.elastic is not None and spec.elastic.layouts
+    for i, lay in enumerate(spec.elastic.layouts):
+        where, what = f"elastic.layouts[{i}]", f"dp={lay.dp} tp={lay.tp} pp={lay.pp}"
+        try:
+            cand, _, _ = candidate(spec, lay.dp, lay.tp, lay.pp)
+        except ValueError as e:
+            chk.error(where, f"{what}: {e}; remove it or change batch.global_batch_size")
+            continue
+        sub = check_spec(cand.model_copy(update={"elastic": None}))
+        if not sub.ok:
+            chk.error(where, f"{what}: {sub.errors[0].param}: {sub.errors[0].message}; remove this layout or fix it")
 
 
 def _check_sync(spec: RunSpec, chk: SpecCheck) -> None:

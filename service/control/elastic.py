@@ -1,20 +1,22 @@
 """Elastic recovery: when a run's layout can no longer be placed (a node lost for good), re-plan it within its
-``spec.elastic`` bounds for the capacity that remains, keeping the global batch (more gradient accumulation); when
-capacity returns, grow it back (at a checkpoint boundary) up to ``max_dp``.
+``spec.elastic`` for the capacity that remains, keeping the global batch (more gradient accumulation); when
+capacity returns, change it back (at a checkpoint boundary).
 
-Pure decisions (no Ray, no database):
+Pure decisions (no Ray, no database), in two modes:
 
-- ``replan(spec, plan, nodes)``: the largest dp in [min_dp, min(max_dp, dp - 1)] whose plan fits the alive nodes'
-  total resources (whole tensor-parallel groups per node, ``service.cluster.placement``); None when nothing fits.
-- ``grow(spec, plan, nodes)``: the largest dp in (dp, max_dp] whose plan fits the nodes' *free* resources (the
-  caller adds back what the run itself holds); None when no larger layout fits.
+- dp bounds (``min_dp``/``max_dp``): ``replan`` takes the largest dp in [min_dp, min(max_dp, dp - 1)] whose plan
+  fits the alive nodes' total resources (whole tensor-parallel groups per node, ``service.cluster.placement``);
+  ``grow`` the largest dp in (dp, max_dp] that fits the nodes' *free* resources (the caller adds back what the run
+  itself holds);
+- a list (``layouts``, best first, ``api.spec.elastic.preferences``): ``replan`` takes the first other layout that
+  fits, ``grow`` the first layout listed before the current one that fits the free resources.
 
-Both keep the global batch and, when it still divides, the micro-batch size, and record ``max_dp`` in the new spec
-(the original dp when unset), so that a shrunk run knows how far it may grow back. The scheduler
-(``service.control.scheduler``) acts: a shrink re-queues the run at once in the new layout from its latest
-checkpoint (which reshards on load; the data position is kept, ``workers.data``); a grow asks the run to checkpoint
-and yield (the preemption path), then applies the larger layout while it is queued. Each is an ``elastic`` event
-naming the old and new layout and why.
+Both return None when nothing fits, keep the global batch and, when it still divides, the micro-batch size
+(``api.spec.elastic.candidate``), and record in the new spec how far the run may change back (``max_dp``, the
+original dp when unset, or the list with the original layout in it). The scheduler (``service.control.scheduler``)
+acts: a shrink re-queues the run at once in the new layout from its latest checkpoint (which reshards on load; the
+data position is kept, ``workers.data``); a grow asks the run to checkpoint and yield (the preemption path), then
+applies the new layout while it is queued. Each is an ``elastic`` event naming the old and new layout and why.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from api.spec import Plan, RunSpec
+from api.spec.elastic import Degrees, candidate, preferences
 from api.spec.validation import SpecError, build_plan
 from service.cluster.head import NodeView
 from service.cluster.placement import NodeCapacity, place, worker_resources
@@ -38,41 +41,39 @@ class Replan:
 
 
 def max_dp(spec: RunSpec, plan: Plan) -> int:
-    """How far the run may grow: ``elastic.max_dp``, else the layout's dp."""
+    """How far the run may grow in the dp-bounds mode: ``elastic.max_dp``, else the layout's dp."""
     assert spec.elastic is not None
     return spec.elastic.max_dp or plan.dp
 
 
-def _layout(spec: RunSpec, plan: Plan, dp: int) -> tuple[RunSpec, Plan, int, int] | None:
-    """``spec`` and its plan at data-parallel degree ``dp`` with the same global batch (micro-batch size kept when it
-    divides the per-rank batch), and (micro-batches per rank, micro-batch size); None when no valid plan."""
-    assert spec.elastic is not None
-    gbs, mbs = spec.batch.global_batch_size, spec.batch.micro_batch_size
-    if dp < 1 or gbs % dp:
-        return None
-    per_rank = gbs // dp
-    micro = mbs if per_rank % mbs == 0 else max(d for d in range(1, mbs + 1) if per_rank % d == 0)
-    new_spec = spec.model_copy(
-        update={
-            "layout": spec.layout.model_copy(update={"dp": dp}),
-            "batch": spec.batch.model_copy(update={"micro_batch_size": micro}),
-            "elastic": spec.elastic.model_copy(update={"max_dp": max_dp(spec, plan)}),
-        }
-    )
+def may_grow(spec: RunSpec, plan: Plan) -> bool:
+    """Is there a layout the run would rather have: a larger dp below ``max_dp``, or one listed before its own."""
+    if spec.elastic is None:
+        return False
+    ranked = preferences(spec)
+    if ranked:
+        return ranked.index((plan.dp, plan.tp, plan.pp)) > 0 if (plan.dp, plan.tp, plan.pp) in ranked else True
+    return plan.dp < max_dp(spec, plan)
+
+
+def _layout(spec: RunSpec, plan: Plan, to: Degrees) -> tuple[RunSpec, Plan, int, int] | None:
+    """``spec`` and its plan in layout ``to`` (dp, tp, pp) with the same global batch (``api.spec.elastic``), and
+    (micro-batches per rank, micro-batch size); None when no valid plan."""
     try:
-        new_spec = RunSpec.model_validate(new_spec.model_dump())
+        new_spec, accum, micro = candidate(spec, *to)
         new_plan = build_plan(new_spec, device=plan.device)
     except (SpecError, ValueError):
         return None
-    return new_spec, new_plan, per_rank // micro, micro
+    return new_spec, new_plan, accum, micro
 
 
 def _first_fit(
-    spec: RunSpec, plan: Plan, dps: Iterable[int], nodes: Sequence[NodeCapacity], *, use_free: bool, why: str, then: str
-) -> Replan | None:
+    spec: RunSpec, plan: Plan, layouts: Iterable[Degrees], nodes: Sequence[NodeCapacity], *, use_free: bool,
+    why: str, then: str,
+) -> Replan | None:  # fmt: skip
     gbs, mbs = spec.batch.global_batch_size, spec.batch.micro_batch_size
-    for dp in dps:
-        cand = _layout(spec, plan, dp)
+    for to in layouts:
+        cand = _layout(spec, plan, to)
         if cand is None:
             continue
         new_spec, new_plan, accum_new, micro = cand
@@ -88,21 +89,35 @@ def _first_fit(
 
 
 def replan(spec: RunSpec, plan: Plan, nodes: Sequence[NodeCapacity], *, why: str) -> Replan | None:
-    """The best smaller layout within ``spec.elastic`` that fits ``nodes`` (their total resources); None if none."""
+    """The best other layout within ``spec.elastic`` that fits ``nodes`` (their total resources): the largest smaller
+    dp, or the first listed layout; None if none."""
     if spec.elastic is None:
         return None
-    hi = min(max_dp(spec, plan), plan.dp - 1)
     then = "resuming from the latest checkpoint, resharded"
-    return _first_fit(spec, plan, range(hi, spec.elastic.min_dp - 1, -1), nodes, use_free=False, why=why, then=then)
+    here = (plan.dp, plan.tp, plan.pp)
+    ranked = preferences(spec)
+    if ranked:
+        options = [d for d in ranked if d != here]
+    else:
+        hi = min(max_dp(spec, plan), plan.dp - 1)
+        options = [(dp, plan.tp, plan.pp) for dp in range(hi, spec.elastic.min_dp - 1, -1)]
+    return _first_fit(spec, plan, options, nodes, use_free=False, why=why, then=then)
 
 
 def grow(spec: RunSpec, plan: Plan, nodes: Sequence[NodeCapacity], *, why: str) -> Replan | None:
-    """The largest layout above the current dp, up to ``max_dp``, that fits ``nodes`` (their free resources, with
-    what the run holds now added back by the caller); None if the run is at its maximum or nothing larger fits."""
+    """A layout the run would rather have that fits ``nodes`` (their free resources, with what the run holds now
+    added back by the caller): the largest dp above the current one up to ``max_dp``, or the first layout listed
+    before the current one; None if the run has its best layout or nothing better fits."""
     if spec.elastic is None:
         return None
     then = "stopping at a checkpoint, resuming from it resharded"
-    return _first_fit(spec, plan, range(max_dp(spec, plan), plan.dp, -1), nodes, use_free=True, why=why, then=then)
+    here = (plan.dp, plan.tp, plan.pp)
+    ranked = preferences(spec)
+    if ranked:
+        options = ranked[: ranked.index(here)] if here in ranked else ranked
+    else:
+        options = [(dp, plan.tp, plan.pp) for dp in range(max_dp(spec, plan), plan.dp, -1)]
+    return _first_fit(spec, plan, options, nodes, use_free=True, why=why, then=then)
 
 
 def with_own(nodes: Sequence[NodeCapacity], held: dict[str, dict[str, float]]) -> list[NodeCapacity]:

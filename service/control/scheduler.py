@@ -19,8 +19,9 @@
   smaller layout within its bounds fits what remains: then it is re-queued at once in that layout from its latest
   checkpoint (``service.control.elastic``) and admitted once its old job has ended. Runs keep their metrics. Also
   done once at start-up.
-- grow back: with nothing queued, an elastic run below its ``max_dp`` for which a larger layout fits the free
-  resources is asked to checkpoint and yield (the preemption path); queued again, it gets the larger layout.
+- grow back: with nothing queued, an elastic run below its ``max_dp`` (or with a listed layout it would rather have)
+  for which a better one fits the free resources is asked to checkpoint and yield (the preemption path); queued
+  again, it gets the new layout.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from service.cluster.jobs import JobsBackend, submission_id, submission_number, 
 from service.cluster.placement import NodeCapacity, Placement, add_reservations, place, reservation
 from service.control.admission import Candidate, Decision
 from service.control.elastic import EVENT_KIND as ELASTIC_EVENT
-from service.control.elastic import Replan, grow, held_per_node, lost_nodes, max_dp, replan, with_own
+from service.control.elastic import Replan, grow, held_per_node, lost_nodes, may_grow, replan, with_own
 from service.control.priorities import AdmissionPlan, Holding, plan_admission
 from service.control.recovery import DRIVER_LOST, resume_lost_driver
 from service.runs.preemption import PREEMPT_REQUEST
@@ -155,7 +156,7 @@ class Scheduler:
         """One admission pass: observe (queue, nodes, reservations, runs holding workers), decide
         (``priorities.plan_admission``: quotas, ``admission.decide``, preemption victims; pure, nothing written),
         act (``_act_on``: reasons, preemption requests, and every state change through the run controller). Returns
-        the admitted run ids. With nothing queued, elastic runs below their ``max_dp`` may grow back (``_grow``)."""
+        the admitted run ids. With nothing queued, elastic runs below their best layout may grow back (``_grow``)."""
         self._apply_growth()
         with session_scope(self.factory) as s:
             queued = store.queued_runs(s)
@@ -206,7 +207,7 @@ class Scheduler:
         return admitted
 
     def _grow(self) -> None:
-        """Elastic runs below their ``max_dp`` while nothing waits: when a larger layout fits what is free (plus what
+        """Elastic runs below their best layout while nothing waits: when a better one fits what is free (plus what
         the run holds), ask the run to checkpoint and yield (a ``preempt_request``: its driver re-queues it from the
         checkpoint); it gets the larger layout while queued (``_apply_growth``)."""
         with session_scope(self.factory) as s:
@@ -233,7 +234,7 @@ class Scheduler:
         ]
         for run_id, spec_json, plan_json, rank_nodes in runs:
             spec, plan = RunSpec.model_validate(spec_json), Plan.model_validate(plan_json)
-            if spec.elastic is None or plan.dp >= max_dp(spec, plan) or lost_nodes(rank_nodes, views):
+            if not may_grow(spec, plan) or lost_nodes(rank_nodes, views):
                 continue
             why = "capacity returned: a larger layout fits the free resources"
             new = grow(spec, plan, with_own(free, held_per_node(rank_nodes, plan)), why=why)

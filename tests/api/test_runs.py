@@ -149,6 +149,8 @@ INVALID = [
      "multiple"),
     ("pp micro-batches below pp", _with(layout__dp=1, layout__pp=2, layout__tp=1, batch__global_batch_size=2,
                                         batch__micro_batch_size=2), "batch.micro_batch_size", "micro-batches"),
+    ("elastic layout that can never run", _with(elastic__layouts=[{"dp": 1}, {"tp": 3}]), "elastic.layouts[1]",
+     "dp=1 tp=3 pp=1: layout.tp: tp=3 does not divide"),
     ("unknown preset", _with(model__preset="gigantic"), "model.preset", "unknown preset"),
     ("unknown model", _with(model__name="resnet"), "model.name", "unknown model"),
     ("absurd d_model", _with(model__d_model=10**9), "model.d_model", "less than or equal"),

@@ -10,7 +10,7 @@ from api.spec.validation import build_plan
 from service import store
 from service.cluster.head import NodeView
 from service.cluster.placement import NodeCapacity
-from service.control.elastic import grow, held_per_node, replan, with_own
+from service.control.elastic import grow, held_per_node, may_grow, replan, with_own
 from service.store.db import session_scope
 from tests.service.test_placement import FakeJobs
 
@@ -211,3 +211,39 @@ def test_a_failed_elastic_driver_waits_for_the_services_verdict(sched, tmp_path,
     with session_scope(sched.factory) as s:  # the scheduler re-planned it
         store.transition(s, run_id=rid, to="QUEUED", reason="elastic: node lost")
     assert driver._elastic_verdict(life, RuntimeError("Connection reset by peer")) is True
+
+
+LISTED = {**SPEC, "layout": {"dp": 2, "tp": 2}, "elastic": {"layouts": [{"dp": 1, "tp": 2}, {"dp": 2}, {"dp": 4}]}}
+
+
+def test_a_list_of_layouts_is_taken_best_first_and_changes_back() -> None:
+    from api.spec.elastic import preferences
+
+    spec = RunSpec.model_validate(LISTED)
+    plan = build_plan(spec)
+    assert preferences(spec) == [(2, 2, 1), (1, 2, 1), (2, 1, 1), (4, 1, 1)]  # its own layout first: not listed
+    # two nodes of 2 CPUs, one lost: dp2 x tp2 no longer fits; the first listed layout that fits is tp2 (dp2 would
+    # fit too, but comes later)
+    new = replan(spec, plan, _caps(2), why="node lost: n2")
+    assert new is not None and (new.plan.dp, new.plan.tp, new.plan.pp) == (1, 2, 1) and new.plan.global_batch_size == 16
+    assert "layout dp2 tp2 -> dp1 tp2 (global batch 16 kept: 8 micro-batches of 2 per rank" in new.reason, new.reason
+    # the new spec keeps the whole list, its original layout first: it may come back
+    assert [(x.dp, x.tp, x.pp) for x in new.spec.elastic.layouts] == [(2, 2, 1), (1, 2, 1), (2, 1, 1), (4, 1, 1)]
+    assert may_grow(new.spec, new.plan) and not may_grow(spec, plan)
+    free = [NodeCapacity("n1", {"CPU": 2.0}, {"CPU": 2.0}), NodeCapacity("n3", {"CPU": 2.0}, {"CPU": 2.0})]
+    back = grow(new.spec, new.plan, free, why="capacity returned")
+    assert back is not None and (back.plan.dp, back.plan.tp) == (2, 2)
+    assert grow(new.spec, new.plan, free[:1], why="x") is None  # only layouts listed before tp2 are better
+    assert replan(spec, plan, _caps(1), why="x") is None  # nothing listed fits one CPU
+
+
+def test_a_listed_layout_the_run_can_never_take_is_refused_naming_it() -> None:
+    from api.spec.validation import SpecError
+
+    bad = {**LISTED, "elastic": {"layouts": [{"dp": 2}, {"tp": 3}, {"dp": 3}]}}
+    with pytest.raises(SpecError) as err:
+        build_plan(RunSpec.model_validate(bad))
+    issues = {i.param: i.message for i in err.value.issues}
+    assert set(issues) == {"elastic.layouts[1]", "elastic.layouts[2]"}, issues
+    assert issues["elastic.layouts[1]"].startswith("dp=1 tp=3 pp=1: layout.tp: tp=3 does not divide"), issues
+    assert "global_batch_size=16 does not split over dp=3" in issues["elastic.layouts[2]"], issues
