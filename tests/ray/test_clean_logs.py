@@ -1,8 +1,8 @@
 """A successful run's logs look successful: its driver output (the Ray Job's log, what ``meshrun logs`` shows) and its
 workers' own Ray log files hold no ERROR line, no traceback, no "preemption notice" (the worker group's normal
 shutdown after SUCCEEDED is not a preemption) and no ANSI colour codes. One run of each layout kind the session's
-6-CPU cluster holds: dp2, tp2, pp2 with the 1F1B schedule, the 3-D dp2 x tp2 x pp2 (eight workers at half a CPU
-each) and a sweep trial."""
+6-CPU cluster holds: dp2 (the shared reference run), tp2, pp2 with the 1F1B schedule, the 3-D dp2 x tp2 x pp2 (eight
+workers at half a CPU each; its run is test_runs.py's) and a sweep trial."""
 
 from __future__ import annotations
 
@@ -41,12 +41,15 @@ def without_ray_transient_warnings(lines: list[str]) -> list[str]:
     return out
 
 
-LAYOUTS = {
-    "dp2": {"dp": 2},
+LAYOUTS = {  # dp2 and the 3-D layout: the runs of tests/ray/test_runs.py are checked (no run of their own here)
     "tp2": {"tp": 2},
     "pp2-1f1b": {"pp": 2, "layout": {"dp": 1, "tp": 1, "pp": 2, "pp_schedule": "1f1b"}},
-    "3d": {"dp": 2, "tp": 2, "pp": 2, "resources": {"device": "cpu", "cpus_per_worker": 0.5}},
 }
+
+
+def test_the_dp2_reference_run_logs_no_error_traceback_or_preemption(live_service, ray_cluster, reference_dp2_run):
+    done, _ = reference_dp2_run
+    assert_clean_logs(live_service, ray_cluster, done["id"], done["ray_job_id"])
 
 
 @pytest.mark.parametrize("kind", sorted(LAYOUTS))

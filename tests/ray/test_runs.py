@@ -139,11 +139,17 @@ def test_run_that_can_never_fit_is_refused(live_service):
     assert "needs 64 worker slots of 1 CPU" in r.json()["error"]["message"]
 
 
-def test_pp2_tp2_run_succeeds(live_service):
+def test_3d_run_succeeds_with_clean_logs(live_service, ray_cluster):
+    """dp2 x tp2 x pp2: eight workers at half a CPU each; its logs hold no error (tests/ray/test_clean_logs.py)."""
+    from tests.ray.test_clean_logs import assert_clean_logs
+
     url = live_service.url
-    run = submit(url, tiny_spec("e2e-pp2-tp2", tp=2, pp=2, steps=6))
-    done = wait_for(url, run["id"], {"SUCCEEDED"}, timeout_s=300)
+    spec = tiny_spec("e2e-3d", dp=2, tp=2, pp=2, steps=6, resources={"device": "cpu", "cpus_per_worker": 0.5})
+    run = submit(url, spec)
+    done = wait_for(url, run["id"], {"SUCCEEDED"}, timeout_s=400)
     rows = metrics(url, run["id"])
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert rows[-1]["loss"] < rows[0]["loss"]
-    assert set(done["rank_nodes"]) == {"0", "1", "2", "3"}
+    assert set(done["rank_nodes"]) == {str(r) for r in range(8)}
+    assert done["plan"]["dp"] == done["plan"]["tp"] == done["plan"]["pp"] == 2
+    assert_clean_logs(live_service, ray_cluster, run["id"], done["ray_job_id"])
