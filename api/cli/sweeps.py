@@ -49,7 +49,7 @@ def _sweep_table(sweep: Any) -> Table:
             tr.run_id or "-",
             layout_label(tr.layout),
             str(tr.micro_batch_size),
-            tr.status,
+            f"{tr.status} ({tr.phase})" if tr.phase else tr.status,
             _rate(tr.predicted_tokens_per_s),
             _rate(tr.measured_tokens_per_s),
             _pct(tr.measured_mfu),

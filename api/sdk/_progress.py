@@ -152,6 +152,7 @@ class SweepProgress:
             MofNCompleteColumn(),
             TextColumn("trials ({task.fields[skipped]} skipped)"),
             TimeElapsedColumn(),
+            TextColumn("{task.fields[head]}"),
             refresh_per_second=2,
         )
         self._task: Any = None
@@ -175,7 +176,9 @@ class SweepProgress:
         if sweep.best_trial is not None:
             bt = sweep.best_trial
             best = f"{layout_label(bt.layout)} mb{bt.micro_batch_size} {_fmt_rate(bt.measured_tokens_per_s)} tok/s"
-        head = f"sweep {sweep.name} ({sweep.id}): {sweep.status}, best {best}"
+        now = [f"trial {t.id} {layout_label(t.layout)} mb{t.micro_batch_size} {t.phase}" for t in sweep.trials
+               if t.phase]  # fmt: skip
+        head = f"sweep {sweep.name} ({sweep.id}): {sweep.status}, best {best}" + (f"; {', '.join(now)}" if now else "")
         if self._task is None:
             self._task = self._progress.add_task("", total=total, skipped=skipped, head=head)
         self._progress.update(self._task, completed=finished, total=total, skipped=skipped, head=head)

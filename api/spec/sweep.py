@@ -52,6 +52,11 @@ class TrialPublic(_Public):
     measured_tokens_per_s: float | None = None
     measured_mfu: float | None = None
     peak_memory_bytes: int | None = None
+    phase: str | None = Field(
+        None,
+        description="While the trial runs: 'queued', 'starting' (Ray Train places and starts its workers), "
+        "'warm-up k/w' (steps excluded from the measurement) or 'measuring k/n'.",
+    )
 
 
 class SweepPublic(_Public):

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from api.spec import Layout, SweepCreate, SweepEventPublic, SweepPublic, TrialPublic
@@ -33,7 +33,7 @@ from service.store.controller import SweepStatus as SweepStatus
 from service.store.controller import TrialStatus as TrialStatus
 from service.store.controller import transition_sweep as transition_sweep
 from service.store.controller import transition_trial as transition_trial
-from service.store.models import Sweep, SweepEvent, Trial, utcnow
+from service.store.models import Metric, Run, Sweep, SweepEvent, Trial, utcnow
 from service.store.runs import capped_count, newest_first
 
 
@@ -162,9 +162,36 @@ def trial_public(t: Trial) -> TrialPublic:
     )
 
 
+def trial_phases(session: Session, sweep: Sweep, trials: Sequence[Trial]) -> dict[int, str]:
+    """The phase of each RUNNING trial, from its run's status and its latest step (``TrialPublic.phase``)."""
+    running = {t.run_id: t.id for t in trials if t.status == TrialStatus.RUNNING and t.run_id}
+    if not running:
+        return {}
+    budget = SweepCreate.model_validate(sweep.spec).budget
+    status = dict(session.execute(select(Run.id, Run.status).where(Run.id.in_(list(running)))).all())
+    last = dict(
+        session.execute(
+            select(Metric.run_id, func.max(Metric.step)).where(Metric.run_id.in_(list(running))).group_by(Metric.run_id)
+        ).all()
+    )
+    out = {}
+    for run_id, trial_id in running.items():
+        step, st = int(last.get(run_id) or 0), status.get(run_id)
+        if st in ("QUEUED", "PREEMPTED"):
+            out[trial_id] = "queued"
+        elif step == 0:
+            out[trial_id] = "starting"
+        elif step <= budget.warmup_steps:
+            out[trial_id] = f"warm-up {step}/{budget.warmup_steps}"
+        else:
+            out[trial_id] = f"measuring {step - budget.warmup_steps}/{budget.steps_per_trial - budget.warmup_steps}"
+    return out
+
+
 def sweep_public(session: Session, sweep: Sweep) -> SweepPublic:
     trials = list_trials(session, sweep_id=sweep.id)
-    pub = [trial_public(t) for t in trials]
+    phases = trial_phases(session, sweep, trials)
+    pub = [trial_public(t).model_copy(update={"phase": phases.get(t.id)}) for t in trials]
     best = next((p for p in pub if p.id == sweep.best_trial_id), None) if sweep.best_trial_id else None
     return SweepPublic(
         id=sweep.id,

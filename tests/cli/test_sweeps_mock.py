@@ -134,12 +134,14 @@ def test_sweep_progress_counts_skipped_trials_apart():
         __import__("yaml").safe_load((EXAMPLES / "sweep.yaml").read_text())).model_dump(mode="json")
     sweep = sdk.Client("http://fake", transport=httpx.MockTransport(svc.handler)).sweeps.get("sweep-1")
     sweep.trials[0].status = "SKIPPED"  # one skipped, one running: 0 of 1 done
-    console = Console(record=True, width=200)
+    sweep.trials[1].phase = "warm-up 1/2"
+    console = Console(record=True, width=250)
     view = SweepProgress(console)
     view.update(sweep)
     view.close()
     text = console.export_text()
     assert "0/1" in text and "(1 skipped)" in text
+    assert f"trial {sweep.trials[1].id} " in text and " warm-up 1/2" in text, text
 
 
 def test_run_progress_shows_the_startup_phase_then_labelled_tokens_per_s():

@@ -118,3 +118,46 @@ def test_cancel_records_the_sweep_and_its_trials(api, fake_runtime):
     assert [(e.trial_id, e.to_status, e.reason) for e in sdk_events] == [
         (e["trial_id"], e["to_status"], e["reason"]) for e in ev
     ]
+
+
+def test_a_running_trial_shows_its_phase_from_its_runs_status_and_steps(api):
+    """queued -> starting -> warm-up k/w -> measuring k/n (budget: 6 steps, 2 of warm-up), then no phase once ended;
+    served by GET /v1/sweeps/{id}, the CLI's table and the console's sweep page."""
+    from api.cli.sweeps import _sweep_table
+    from api.spec import SweepPublic
+
+    sw = api.post("/v1/sweeps", json=body()).json()
+    factory = api.app.state.session_factory
+    with session_scope(factory) as s:
+        t = s.query(Trial).filter(Trial.sweep_id == sw["id"], Trial.status == "PENDING").first()
+        run, _ = store.create_run(s, spec={"name": "trial"}, plan=None, name="trial")
+        t.run_id, trial_id, run_id = run.id, t.id, run.id
+        transition_trial(s, trial=t, to="RUNNING", reason="started")
+
+    def phase() -> str | None:
+        got = api.get(f"/v1/sweeps/{sw['id']}").json()
+        return next(x["phase"] for x in got["trials"] if x["id"] == trial_id)
+
+    assert phase() == "queued"
+    with session_scope(factory) as s:
+        store.transition(s, run_id=run_id, to="STARTING", reason="admitted")
+    assert phase() == "starting"
+    with session_scope(factory) as s:
+        store.transition(s, run_id=run_id, to="RUNNING", reason="driver")
+        store.start_attempt(s, run_id=run_id, cause="start")
+        store.add_metrics(s, run_id=run_id, attempt=1, rows=[{"step": 1, "loss": 5.0}])
+    assert phase() == "warm-up 1/2"
+    with session_scope(factory) as s:
+        store.add_metrics(s, run_id=run_id, attempt=1, rows=[{"step": k, "loss": 5.0} for k in (2, 3, 4)])
+    assert phase() == "measuring 2/4"
+    shown = SweepPublic.model_validate(api.get(f"/v1/sweeps/{sw['id']}").json())
+    from rich.console import Console
+
+    console = Console(record=True, width=250)
+    console.print(_sweep_table(shown))
+    assert "RUNNING (measuring 2/4)" in console.export_text()
+    assert "measuring 2/4" in api.get(f"/sweeps/{sw['id']}").text
+    with session_scope(factory) as s:
+        t = s.get(Trial, trial_id)
+        transition_trial(s, trial=t, to="SUCCEEDED", reason="done")
+    assert phase() is None
