@@ -48,6 +48,31 @@ def test_async_saves_change_nothing_and_resume_exactly(tmp_path):
     assert from4["losses"] == sync["losses"][4:]
 
 
+def test_tensor_and_pipeline_parallel_saves_in_the_background_resume_exactly(tmp_path):
+    """DTensor shards (tp2, sequence parallel) and pipeline stages (pp2, 1F1B) through the writer thread."""
+    tp = {"layout": {"dp": 1, "tp": 2, "pp": 1, "zero_stage": 0, "sequence_parallel": True}}
+    pp = {"layout": {"dp": 1, "tp": 1, "pp": 2, "zero_stage": 0, "pp_schedule": "1f1b"}}
+    specs = {"tp": tp, "pp": pp}
+    done = run_world(
+        2,
+        [
+            {**_spec(True, **specs[name]), "_job": {"checkpoint_dir": str(tmp_path / name)}}
+            for name in ("tp", "pp")
+        ],
+    )
+    resumed = run_world(
+        2,
+        [
+            {**_spec(False, **specs[name]), "_job": {"resume_from": str(checkpoint_path(tmp_path / name, 4))}}
+            for name in ("tp", "pp")
+        ],
+    )
+    for name, run, again in zip(("tp", "pp"), done, resumed, strict=True):
+        assert [s for s, _ in list_checkpoints(tmp_path / name)] == [2, 4, 6], name
+        assert len(run["summary"]["checkpoint_copy_s"]) == 3, name
+        assert again["losses"] == run["losses"][4:], name
+
+
 def test_a_failed_background_save_fails_the_attempt_and_lists_nothing(tmp_path):
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("a file where the checkpoints should go")
