@@ -125,10 +125,9 @@ class CheckpointList(_Public):
     next_cursor: str | None = Field(None, description=NEXT_CURSOR_DOC)
 
 
-class GoodputLost(_Public):
-    """Seconds of the wall time lost, per cause."""
+class GoodputAttemptLost(_Public):
+    """Seconds lost by or before one attempt, per cause."""
 
-    queue: float = Field(0.0, description="QUEUED: at submission and after a preemption.")
     startup: float = Field(0.0, description="First STARTING to the first step (job, workers, model, data).")
     failure_detection: float = Field(0.0, description="Last finished step of a failed attempt to its error.")
     restart: float = Field(0.0, description="Error or preemption back to the next first step, queue excluded.")
@@ -136,17 +135,13 @@ class GoodputLost(_Public):
     checkpoint_stall: float = Field(
         0.0, description="Periodic saves holding the loop (end of a checkpoint's step to the next step's start)."
     )
+
+
+class GoodputLost(GoodputAttemptLost):
+    """Seconds of the wall time lost, per cause: the attempts' causes and the run's own."""
+
+    queue: float = Field(0.0, description="QUEUED: at submission and after a preemption.")
     other: float = Field(0.0, description="The rest: reports, the driver's start and end.")
-
-
-class GoodputAttemptLost(_Public):
-    """Seconds lost by or before one attempt, per cause."""
-
-    startup: float = 0.0
-    failure_detection: float = 0.0
-    restart: float = 0.0
-    recomputed_steps: float = 0.0
-    checkpoint_stall: float = 0.0
 
 
 class GoodputAttempt(_Public):

@@ -68,6 +68,6 @@ def test_the_cli_line_names_each_attempts_losses_when_there_are_several() -> Non
                                                          error_times=[53.0])}  # fmt: skip
     )
     line = goodput_line(g)
-    assert line.startswith(f"{g.goodput:.1%} of 136 s; lost: queue 10 s, startup 10 s, failure detection 3 s")
+    assert line.startswith(f"{g.goodput:.1%} of 136 s; lost: startup 10 s, failure detection 3 s, restart 7 s")
     assert line.endswith("; per attempt: #1 25 s (startup 10 s, recomputed steps 5 s); #2 75 s (failure detection 3 s, "
                          "restart 7 s, checkpoint stall 2 s)"), line
