@@ -257,9 +257,7 @@ class Scheduler:
             for run in store.runs_in(s, waiting):
                 if run.sweep_id or not run.plan or not (run.spec or {}).get("elastic") or run.id in self.growing:
                     continue
-                last = store.list_events(s, run_id=run.id, kinds=[PREEMPT_REQUEST, ELASTIC_EVENT], newest_first=True,
-                                         limit=1)  # fmt: skip
-                if not last or last[0].kind != PREEMPT_REQUEST or not (last[0].reason or "").startswith("elastic:"):
+                if not _grow_pending(s, run.id, queued=run.status in ("QUEUED", "PREEMPTED")):
                     continue
                 spec, plan = RunSpec.model_validate(run.spec), Plan.model_validate(run.plan)
                 nodes = [NodeCapacity(n.node_id, n.total, dict(n.total)) for n in self.capacities()]
@@ -563,3 +561,16 @@ class Scheduler:
                 summary={k: v for k, v in summ.items() if k != "peak_memory_bytes"},
             )
         return res.changed
+
+
+def _grow_pending(session: Session, run_id: str, *, queued: bool) -> bool:
+    """The run's newest grow request (a ``preempt_request`` starting "elastic:") is not yet applied: no ``elastic``
+    event after it and, unless the run waits in the queue now, no return to the queue after it either (a yield whose
+    larger layout no longer fit resumed in the old one)."""
+    kinds = [PREEMPT_REQUEST, ELASTIC_EVENT, "state"]
+    for ev in store.list_events(session, run_id=run_id, kinds=kinds, newest_first=True, limit=50):
+        if ev.kind == ELASTIC_EVENT or (ev.kind == "state" and ev.to_status == "QUEUED" and not queued):
+            return False
+        if ev.kind == PREEMPT_REQUEST and (ev.reason or "").startswith("elastic:"):
+            return True
+    return False

@@ -247,3 +247,24 @@ def test_a_listed_layout_the_run_can_never_take_is_refused_naming_it() -> None:
     assert set(issues) == {"elastic.layouts[1]", "elastic.layouts[2]"}, issues
     assert issues["elastic.layouts[1]"].startswith("dp=1 tp=3 pp=1: layout.tp: tp=3 does not divide"), issues
     assert "global_batch_size=16 does not split over dp=3" in issues["elastic.layouts[2]"], issues
+
+
+def test_a_grow_request_counts_as_pending_only_until_it_was_applied_or_dropped(sched, tmp_path) -> None:
+    from service.control.scheduler import _grow_pending
+    from service.runs.preemption import PREEMPT_REQUEST
+
+    rid, _, _ = _running(sched, tmp_path, {"0": "n1", "1": "n1"})
+    with session_scope(sched.factory) as s:
+        assert not _grow_pending(s, rid, queued=False)
+        store.add_event(s, run_id=rid, kind=PREEMPT_REQUEST, reason="preempted by run x (priority 10 > 0)")
+        assert not _grow_pending(s, rid, queued=False)  # a priority preemption is no grow request
+        store.add_event(s, run_id=rid, kind=PREEMPT_REQUEST, reason="elastic: capacity returned; layout dp2 -> dp4")
+        assert _grow_pending(s, rid, queued=False)  # asked, the run still runs: it will yield
+        store.transition(s, run_id=rid, to="PREEMPTED", reason="yielded")
+        store.transition(s, run_id=rid, to="QUEUED", reason="back in the queue")
+        assert _grow_pending(s, rid, queued=True)  # yielded: the larger layout is applied while it waits
+        store.transition(s, run_id=rid, to="STARTING", reason="admitted in its old layout: dp4 no longer fit")
+        assert not _grow_pending(s, rid, queued=False)  # dropped: a later grow may be asked again
+        store.add_event(s, run_id=rid, kind=PREEMPT_REQUEST, reason="elastic: capacity returned; layout dp2 -> dp4")
+        store.add_event(s, run_id=rid, kind="elastic", reason="elastic: capacity returned; layout dp2 -> dp4")
+        assert not _grow_pending(s, rid, queued=False)  # applied
