@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from api.spec._base import (
     ENTRYPOINT_RE,
@@ -235,9 +235,12 @@ class CheckpointSpec(_Spec):
     storage: str | None = Field(
         None, max_length=4096, description="Directory or fsspec URL; default: the service's data dir."
     )
+    # "async" on the wire (a Python keyword: the attribute is async_save); the stored spec may hold either name
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), validate_by_name=True, validate_by_alias=True)
+
     async_save: bool = Field(
         False,
-        validation_alias=AliasChoices("async", "async_save"),
+        alias="async",
         description="`async: true`: write checkpoints in the background (each rank copies its state to host memory, "
         "then training goes on while a writer thread saves it; at most one save in flight; a checkpoint is listed "
         "only once written on every rank, and a failed save fails the attempt). Costs a second copy of the state "

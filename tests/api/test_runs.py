@@ -45,7 +45,7 @@ def test_create_then_read_back_identical_spec(client):
     run = _submit(client)
     assert run["status"] == "QUEUED" and run["project"] == "default" and run["name"] == "gpt-3d-demo"
     got = client.get(f"/v1/runs/{run['id']}").json()
-    expected = RunSpec.model_validate(SPEC).model_dump(mode="json")
+    expected = RunSpec.model_validate(SPEC).model_dump(mode="json", by_alias=True)  # the wire names ("async")
     assert got["spec"] == expected == run["spec"]
     for k, v in SPEC["layout"].items():
         assert got["spec"]["layout"][k] == v
@@ -59,7 +59,7 @@ def test_create_then_read_back_identical_spec(client):
 def test_create_from_yaml_body(client):
     r = client.post("/v1/runs", content=yaml.safe_dump(SPEC).encode(), headers={"Content-Type": "application/yaml"})
     assert r.status_code == 201, r.text
-    assert r.json()["spec"] == RunSpec.model_validate(SPEC).model_dump(mode="json")
+    assert r.json()["spec"] == RunSpec.model_validate(SPEC).model_dump(mode="json", by_alias=True)
 
 
 def test_defaults_only_spec_is_accepted(client):

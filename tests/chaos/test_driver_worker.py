@@ -93,7 +93,7 @@ def test_killed_driver_and_killed_worker_leave_no_loss_no_leak(owned_service: Ow
     assert not gone(workers_d, timeout_s=60), "run D's workers outlived its driver"
 
     done_w = wait_for(svc.url, w["id"], {"SUCCEEDED"}, timeout_s=900)
-    assert done_w["spec"]["checkpoint"]["async_save"] is True
+    assert done_w["spec"]["checkpoint"]["async"] is True
     listed = httpx.get(f"{svc.url}/v1/runs/{w['id']}/checkpoints", timeout=30).json()["items"]
     assert {c["step"] for c in listed} >= {STEPS}, listed  # the last background save was waited for and listed
     _every_step_once(svc.url, w["id"])
