@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-from api.spec.run import ElasticLayout, Layout, RunSpec
+from api.spec.run import Layout, RunSpec
 
 Degrees = tuple[int, int, int]  # (dp, tp, pp)
 
 
-def degrees(layout: ElasticLayout | Layout) -> Degrees:
+def degrees(layout: Layout) -> Degrees:
     return (layout.dp, layout.tp, layout.pp)
 
 
@@ -41,7 +41,7 @@ def candidate(spec: RunSpec, dp: int, tp: int | None = None, pp: int | None = No
     elastic = spec.elastic
     if elastic.layouts:
         ranked = preferences(spec)  # the current layout kept in the list: the run may come back to it
-        elastic = elastic.model_copy(update={"layouts": [ElasticLayout(dp=d, tp=t, pp=p) for d, t, p in ranked]})
+        elastic = elastic.model_copy(update={"layouts": [Layout(dp=d, tp=t, pp=p) for d, t, p in ranked]})
     else:
         elastic = elastic.model_copy(update={"max_dp": elastic.max_dp or lay.dp})
     flavours = {"sequence_parallel": False} if tp == 1 else {}

@@ -321,15 +321,6 @@ class ResourcesSpec(_Spec):
     priority: int = Field(0, ge=-1000, le=1000, description="Higher runs first; FIFO within a priority.")
 
 
-class ElasticLayout(_Spec):
-    """One layout an elastic run may take: its degrees (the run's other layout settings are kept; sequence
-    parallelism only where tp > 1)."""
-
-    dp: int = Field(1, ge=1, le=MAX_WORLD_SIZE)
-    tp: int = Field(1, ge=1, le=MAX_WORLD_SIZE)
-    pp: int = Field(1, ge=1, le=MAX_WORLD_SIZE)
-
-
 class ElasticSpec(_Spec):
     """What the service may change when the run's layout can no longer be placed (a node lost for good), and back
     when capacity returns: the data-parallel degree within [min_dp, max_dp] (the largest that fits), or, with
@@ -338,11 +329,12 @@ class ElasticSpec(_Spec):
 
     min_dp: int = Field(1, ge=1, le=MAX_WORLD_SIZE)
     max_dp: int | None = Field(None, ge=1, le=MAX_WORLD_SIZE, description="Default: the layout's dp.")
-    layouts: list[ElasticLayout] | None = Field(
+    layouts: list[Layout] | None = Field(
         None,
         min_length=1,
         max_length=16,
-        description="Instead of dp bounds: the layouts the run may take, best first (the submitted layout ranks "
+        description="Instead of dp bounds: the layouts the run may take, best first (their degrees dp, tp, pp; the "
+        "run's other layout settings are kept; the submitted layout ranks "
         "first unless listed). After node loss: the first that fits the alive nodes; when capacity returns and "
         "nothing waits: one listed before the current one that fits the free resources.",
     )
