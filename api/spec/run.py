@@ -348,6 +348,26 @@ class ElasticSpec(_Spec):
         return v
 
 
+class FaultToleranceSpec(_Spec):
+    """What happens when a worker dies. ``group`` (the default): Ray Train restarts the whole worker group from the
+    latest checkpoint (``resources.max_failures`` restarts). ``replica``: each data-parallel replica is its own Ray
+    actor coordinated by torchft (a lighthouse in the driver, a quorum per step); when one dies the others keep
+    stepping, it is restarted alone (``resources.max_failures`` replacements, -1 unlimited) and heals from a live
+    peer's in-memory state, not from storage, then rejoins at a step boundary. Layouts: plain data parallel (dp >= 2,
+    tp 1, pp 1, zero_stage 0); docs/fault-tolerance.md."""
+
+    mode: Literal["group", "replica"] = Field("group", description="group: restart every worker; replica: only the lost one.")
+    min_replicas: int = Field(
+        1, ge=1, le=MAX_WORLD_SIZE, description="replica: replicas a step needs to commit (fewer: the step waits)."
+    )
+    batch: Literal["keep", "shrink"] = Field(
+        "keep",
+        description="replica: keep (the live replicas also train the lost replica's share of the batch: every step "
+        "sees the full global batch, the same math as without a failure) or shrink (each replica trains only its own "
+        "share, torchft's default: a step with fewer replicas has a smaller batch, averaged over them).",
+    )
+
+
 class RunClusterSpec(_Spec):
     """What the run's cluster costs (the planner's ``ClusterSpec`` describes the rest of it)."""
 
@@ -382,6 +402,10 @@ class RunSpec(_Spec):
     faults: FaultsSpec | None = Field(None, description="Injected faults for chaos tests; null = none.")
     elastic: ElasticSpec | None = Field(
         None, description="Re-plan within dp bounds or a list of layouts after node loss; null = off."
+    )
+    fault_tolerance: FaultToleranceSpec = Field(
+        default_factory=FaultToleranceSpec,
+        description="group (default): a lost worker restarts the worker group; replica: only the lost replica.",
     )
     cluster: RunClusterSpec = Field(default_factory=RunClusterSpec)
     skip_memory_check: bool = Field(False, description="Submit even if the planner predicts it will not fit.")

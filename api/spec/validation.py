@@ -273,6 +273,7 @@ def check_spec(spec: RunSpec) -> SpecCheck:
             "parallel only; use zero_stage 2 or 3 with tp/pp",
         )
     _check_sync(spec, chk)
+    _check_fault_tolerance(spec, chk)
     if lay.sequence_parallel and lay.tp == 1:
         chk.error("layout.sequence_parallel", "sequence_parallel needs tp > 1; set tp >= 2 or turn it off")
     elif lay.sequence_parallel and cfg.seq_len % lay.tp:
@@ -368,6 +369,37 @@ def _check_elastic_layouts(spec: RunSpec, chk: SpecCheck) -> None:
         sub = check_spec(cand.model_copy(update={"elastic": None}))
         if not sub.ok:
             chk.error(where, f"{what}: {sub.errors[0].param}: {sub.errors[0].message}; remove this layout or fix it")
+
+
+def _check_fault_tolerance(spec: RunSpec, chk: SpecCheck) -> None:
+    """``fault_tolerance.mode: replica``: each replica is one worker of plain data parallelism (torchft quorum)."""
+    ft, lay = spec.fault_tolerance, spec.layout
+    if ft.mode != "replica":
+        return
+    fix = "(or fault_tolerance.mode: group)"
+    for name, bad, why in (
+        ("layout.dp", lay.dp < 2, "needs data-parallel replicas to keep training: set dp >= 2"),
+        ("layout.tp", lay.tp > 1, "each replica is one worker in this version: use tp 1"),
+        ("layout.pp", lay.pp > 1, "each replica is one worker in this version: use pp 1"),
+        ("layout.zero_stage", lay.zero_stage != 0, "replicas hold whole copies of the state: use zero_stage 0"),
+        ("layout.sync", lay.sync != "sync", "replicas average gradients every step: use sync: sync"),
+        ("layout.grad_compression", lay.grad_compression != "none", "use grad_compression none"),
+        ("precision", spec.precision == "fp16", "use fp32 or bf16 (no loss scaler across a changing quorum)"),
+        ("elastic", spec.elastic is not None, "a lost replica is replaced, not re-planned: remove elastic"),
+    ):
+        if bad:
+            chk.error(name, f"fault_tolerance.mode replica: {why} {fix}", "unsupported_layout")
+    if ft.min_replicas > lay.dp:
+        chk.error(
+            "fault_tolerance.min_replicas",
+            f"min_replicas={ft.min_replicas} > dp={lay.dp}: no step could commit; use 1..{lay.dp}",
+        )
+    if spec.faults is not None and spec.faults.hang_rank is not None:
+        chk.error(
+            "faults.hang_rank",
+            "fault_tolerance.mode replica detects dead replicas, not hung ones: use kill_rank",
+            "unsupported_layout",
+        )
 
 
 def _check_sync(spec: RunSpec, chk: SpecCheck) -> None:

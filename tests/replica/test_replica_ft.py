@@ -1,0 +1,126 @@
+"""``fault_tolerance.mode: replica`` on the session's Ray cluster: torchft replicas as Ray actors.
+
+- unfaulted, ``batch: keep``: the losses equal those of a dp=2 DDP run (gloo) within fp32 tolerance;
+- a replica SIGKILLed at step 3 (``faults.kill_rank``): the other replica keeps committing steps alone (rows with
+  ``replicas`` 1), the replacement heals from it (not from storage) and rejoins (rows with 2 again), every step is
+  recorded once, and with ``batch: keep`` the losses still equal the unfaulted run's (the live replica trained the
+  lost one's shard too);
+- ``batch: shrink``: steps with one replica use half the batch (``samples``);
+- a resumed run starts every replica from the newest checkpoint on storage.
+(the same through the service: ``tests/ray/test_replica_rest.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import ray
+
+from api.spec import RunSpec
+from api.spec.validation import build_plan
+from tests.workers.dist_utils import run_world, tiny_spec
+from workers.replica_ft import latest_checkpoint, run_replicas, shards_of
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+FP32_TOL = 2e-5
+
+
+def test_shards_cover_the_batch_whatever_the_quorum() -> None:
+    for dp in (2, 3, 4, 8):
+        for q in range(1, dp + 1):
+            got = sorted(s for r in range(q) for s in shards_of(r, q, dp, r, "keep"))
+            assert got == list(range(dp))
+    assert shards_of(None, 2, 4, 1, "keep") == []
+    assert shards_of(0, 1, 4, 3, "shrink") == [3]
+
+
+@pytest.fixture(scope="module")
+def ray_session(ray_cluster):
+    ray.init(
+        address=ray_cluster.address,
+        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}},
+        logging_level="WARNING",
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _run(spec_d: dict, **kw: object) -> tuple[dict, list[dict], list[tuple[str, str]]]:
+    spec = RunSpec.model_validate(spec_d)
+    plan = build_plan(spec, device="cpu")
+    rows: list[dict] = []
+    events: list[tuple[str, str]] = []
+    out = run_replicas(
+        spec,
+        plan,
+        sink=rows.append,
+        on_event=lambda k, t: events.append((k, t)),
+        worker_options={"num_cpus": 0.5},
+        **kw,  # type: ignore[arg-type]
+    )
+    return out, rows, events
+
+
+def _ft(**kw: object) -> dict:
+    return {"mode": "replica", **kw}
+
+
+def test_replicas_match_ddp_and_survive_a_killed_replica(ray_session) -> None:
+    steps = 10
+    ref = run_world(2, [tiny_spec(dp=2, steps=steps)])[0]["losses"]
+    out, rows, _ = _run(tiny_spec(dp=2, steps=steps, fault_tolerance=_ft()))
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert max(abs(a - b) for a, b in zip(out["losses"], ref)) < FP32_TOL
+    assert all(r["replicas"] == 2 for r in rows)
+
+    spec = tiny_spec(
+        dp=2,
+        steps=steps,
+        fault_tolerance=_ft(),
+        faults={"kill_rank": {"rank": 1, "at_step": 3}, "slow_rank": {"rank": 0, "delay_s": 0.3}},
+        resources={"max_failures": 1},
+    )
+    out, rows, events = _run(spec)
+    assert sorted(r["step"] for r in rows) == list(range(1, steps + 1))  # every step once
+    replicas = [r["replicas"] for r in sorted(rows, key=lambda r: r["step"])]
+    assert replicas[:2] == [2, 2] and 1 in replicas, replicas  # the live replica went on alone
+    assert replicas[-1] == 2, replicas  # and the replacement rejoined
+    assert max(abs(a - b) for a, b in zip(out["losses"], ref)) < FP32_TOL  # keep: the same math
+    kinds = [k for k, _ in events]
+    assert kinds.count("replica_lost") == 1 and kinds.count("replica_rejoined") == 1, events
+    assert "heals from a live peer" in dict(events)["replica_lost"]
+    (rec,) = out["replica_recoveries"]
+    assert rec["replica"] == 1 and rec["lost_step"] == 2 and rec["rejoin_step"] > 3
+    assert rec["restart_s"] > 0 and rec["rejoin_s"] >= rec["resume_s"] > 0
+
+
+def test_shrink_halves_the_batch_while_a_replica_is_out(ray_session) -> None:
+    spec = tiny_spec(
+        dp=2,
+        steps=8,
+        fault_tolerance=_ft(batch="shrink"),
+        faults={"kill_rank": {"rank": 0, "at_step": 2}, "slow_rank": {"rank": 1, "delay_s": 0.3}},
+        resources={"max_failures": 1},
+    )
+    out, rows, _ = _run(spec)
+    by = {r["step"]: r for r in rows}
+    assert sorted(by) == list(range(1, 9))
+    assert {r["samples"] for r in rows if r["replicas"] == 1} == {4}
+    assert {r["samples"] for r in rows if r["replicas"] == 2} == {8}
+    assert out["losses"][-1] < out["losses"][0]
+
+
+def test_a_resumed_run_starts_from_the_newest_checkpoint(ray_session, tmp_path) -> None:
+    spec = tiny_spec(dp=2, steps=4, fault_tolerance=_ft(), checkpoint={"every_steps": 2, "keep": 1})
+    first, _, _ = _run(spec, ckpt_dir=str(tmp_path))
+    assert latest_checkpoint(str(tmp_path)).name == "step_00000004.pt"
+    longer = {**spec, "train": {**spec["train"], "steps": 6}}
+    ref = run_world(2, [tiny_spec(dp=2, steps=6)])[0]["losses"]
+    out, rows, events = _run(longer, ckpt_dir=str(tmp_path))
+    assert [r["step"] for r in rows] == [5, 6]
+    assert ("replicas_restored" in [k for k, _ in events])
+    assert max(abs(a - b) for a, b in zip(out["losses"], ref[4:])) < FP32_TOL

@@ -1,0 +1,441 @@
+"""``fault_tolerance.mode: replica``: data-parallel replicas that keep training when one of them dies.
+
+Each replica is one Ray actor (``ReplicaWorker``) with a whole copy of the model and the optimizer. They are tied
+together by torchft (pinned: ``torchft==0.2.0``), not by one torch process group:
+
+- the driver (``run_replicas``) runs torchft's Rust ``LighthouseServer``; every replica runs a torchft ``Manager``
+  (its own ``TCPStore``, a reconfigurable gloo process group, NCCL on GPUs) that asks the lighthouse for a quorum
+  at the start of every step: the replicas alive now;
+- a step: forward/backward over this replica's share of the global batch, one all-reduce of the flattened
+  gradients (and the loss) inside the quorum, then ``should_commit``: the optimizer steps only if every participant
+  got through the step; a step that failed (a peer died in the all-reduce) is trained again in the next quorum;
+- ``batch: keep`` (default): the global batch is cut into ``dp`` shards as in DDP and the live replicas share all of
+  them (participant r of q trains the shards s with s % q == r, each weighted q/dp before the average), so every
+  step sees the same samples with the same weights whatever the quorum: the losses are those of the unfaulted run.
+  ``batch: shrink`` (torchft's default): replica i trains shard i only, averaged over the participants;
+- when a replica dies, the driver sees its actor die, starts a replacement (``resources.max_failures`` of them,
+  -1 unlimited): it joins the next quorum behind the others and heals from a live peer's in-memory state
+  (torchft's checkpoint transport: model, optimizer, LR schedule, step), never from storage. Only when every
+  replica is gone does the driver restart them all from the newest checkpoint on storage (a failure too);
+- ``checkpoint.every_steps``: participant 0 writes the state (``torch.save``, atomically) under ``ckpt_dir``; a new
+  driver of the run (a resume) starts every replica from the newest one.
+
+Every committed step is recorded exactly once: every participant buffers its row, the driver forwards a step the
+first time it sees it. Rows carry ``replicas`` (the quorum size of that step) and ``samples``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import socket
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from threading import Lock
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from api.spec import Plan, RunSpec
+from workers.data import StepBatches, make_source
+from workers.diagnostics import FaultInjector, RankState
+from workers.models import build_model, materialize
+from workers.optim import build_optimizer, build_scheduler
+from workers.step import loss_fn
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.2
+HEARTBEAT_TIMEOUT_MS = 1500  # a replica silent this long is out of the next quorum (the survivors' detection)
+JOIN_TIMEOUT_MS = 30000  # how long a quorum waits for a replica that heartbeats but has not asked to join
+CKPT_RE = re.compile(r"^step_(\d{8})\.pt$")
+
+
+class NoPeerToHeal(RuntimeError):
+    """A replacement replica found no live peer to heal from (every other replica died meanwhile)."""
+
+
+def _node_ip() -> str:
+    try:
+        return str(ray.util.get_node_ip_address())
+    except Exception:
+        return "127.0.0.1"
+
+
+def shards_of(participant: int | None, participants: int, dp: int, index: int, mode: str) -> list[int]:
+    """The data shards (of ``dp``) a replica trains this step. keep: participant r of q takes s % q == r (the live
+    replicas cover every shard); shrink: replica ``index`` takes its own shard. Not participating: none."""
+    if participant is None or participants < 1:
+        return []
+    if mode == "shrink":
+        return [index]
+    return [s for s in range(dp) if s % participants == participant]
+
+
+def latest_checkpoint(ckpt_dir: str | None) -> Path | None:
+    """The newest complete replica checkpoint under ``ckpt_dir`` (written by rename: no partial file is listed)."""
+    if not ckpt_dir or not Path(ckpt_dir).is_dir():
+        return None
+    found = sorted(p for p in Path(ckpt_dir).iterdir() if CKPT_RE.match(p.name))
+    return found[-1] if found else None
+
+
+@ray.remote
+class ReplicaWorker:
+    """One data-parallel replica: model, optimizer, LR schedule, data shards and a torchft Manager."""
+
+    def __init__(
+        self, index: int, incarnation: int, spec_json: str, plan_json: str, ckpt_dir: str | None, from_storage: bool
+    ) -> None:
+        self.index, self.incarnation = index, incarnation
+        self.spec = spec = RunSpec.model_validate_json(spec_json)
+        self.plan = plan = Plan.model_validate_json(plan_json)
+        torch.set_num_threads(max(1, int(spec.resources.cpus_per_worker)))
+        self.device = torch.device("cuda", torch.cuda.current_device()) if plan.device == "cuda" else torch.device("cpu")
+        torch.manual_seed(spec.train.seed)
+        self.model = materialize(build_model(plan.model, device="meta"), device=self.device, seed=spec.train.seed)
+        self.optimizer = build_optimizer([self.model], spec, plan)
+        self.scheduler = build_scheduler(self.optimizer, spec)
+        src = make_source(spec.data, seq_len=plan.model.seq_len, vocab_size=plan.model.vocab_size, seed=spec.train.seed)
+        self.batches = [
+            StepBatches(
+                src,
+                global_batch_size=plan.global_batch_size,
+                micro_batch_size=plan.micro_batch_size,
+                dp_rank=s,
+                dp_size=plan.dp,
+                seed=spec.train.seed,
+            )
+            for s in range(plan.dp)
+        ]
+        self.ckpt_dir = ckpt_dir
+        self.restored_step = 0
+        if from_storage and (path := latest_checkpoint(ckpt_dir)) is not None:
+            state = torch.load(path, map_location=self.device, weights_only=False)
+            self._load({k: state[k] for k in ("model", "optim", "sched")})
+            self.restored_step = int(state["torchft"]["step"])
+            self._restored_torchft = state["torchft"]
+        state = RankState(rank=index, world_size=plan.dp, run_id="replica", attempt=incarnation)
+        self.faults = FaultInjector(spec.faults, rank=index, attempt=incarnation, state=state)
+        self.rows: list[dict[str, Any]] = []
+        self.lock = Lock()
+        self.manager: Any = None
+        self.healed_from_peer = False
+
+    # ------------------------------------------------------------------ state shared with peers
+    def _state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict(), "sched": self.scheduler.state_dict()}
+
+    def _load(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+        self.scheduler.load_state_dict(state["sched"])
+
+    def _heal(self, state: dict[str, Any]) -> None:
+        self._load(state)
+        self.healed_from_peer = True
+
+    def ready(self, lighthouse: str) -> dict[str, Any]:
+        """Start this replica's torchft Manager (it heartbeats to the lighthouse from now on)."""
+        from torchft import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        ip = _node_ip()
+        self.store = torch.distributed.TCPStore(host_name=ip, port=0, is_master=True, wait_for_workers=False)
+        timeout = timedelta(seconds=60)
+        pg = ProcessGroupNCCL(timeout=timeout) if self.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        self.manager = Manager(
+            pg=pg,
+            load_state_dict=self._heal,
+            state_dict=self._state,
+            min_replica_size=self.spec.fault_tolerance.min_replicas,
+            use_async_quorum=False,  # heal before the forward pass: a replica that joins trains this very step
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=120),
+            connect_timeout=timedelta(seconds=30),
+            rank=0,
+            world_size=1,
+            store_addr=ip,
+            store_port=self.store.port,
+            lighthouse_addr=lighthouse,
+            replica_id=f"replica_{self.index}",
+            hostname=ip,
+            init_sync=False,  # every replica builds the same seeded model
+        )
+        if self.restored_step:
+            self.manager.load_state_dict(self._restored_torchft)
+        return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(), "step": self.restored_step}
+
+    def take_rows(self) -> list[dict[str, Any]]:
+        with self.lock:
+            rows, self.rows = self.rows, []
+        return rows
+
+    # ------------------------------------------------------------------ training
+    def run(self, min_step: int = 0) -> dict[str, Any]:
+        """Train until ``train.steps`` are committed. ``min_step``: a replacement must heal to at least that step
+        (else it would restart training alone from its initial state: ``NoPeerToHeal``)."""
+        spec, plan, mgr = self.spec, self.plan, self.manager
+        ft = spec.fault_tolerance
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        autocast = (
+            torch.autocast(self.device.type, dtype=torch.bfloat16)
+            if spec.precision == "bf16"
+            else contextlib.nullcontext()
+        )
+        shard_samples = plan.global_batch_size // plan.dp
+        first_step: int | None = None
+        failed_steps = 0
+        while mgr.current_step() < spec.train.steps:
+            t0 = time.perf_counter()
+            self.faults.before_step(mgr.current_step() + 1)
+            mgr.start_quorum()
+            step = mgr.current_step() + 1  # after a heal: the peers' step
+            if first_step is None and step <= min_step:
+                raise NoPeerToHeal(f"replica {self.index} is at step {step - 1} with no live peer at step {min_step}")
+            first_step = step if first_step is None else first_step
+            q, r = mgr.num_participants(), mgr.participating_rank()
+            mine = shards_of(r, q, plan.dp, self.index, ft.batch)
+            weight = q / plan.dp if ft.batch == "keep" else 1.0
+            self.faults.in_compute(step)
+            loss = torch.zeros((), device=self.device)
+            for s in mine:
+                micro = self.batches[s].micro_batches(step - 1)
+                for x, y in micro:
+                    x, y = x.to(self.device), y.to(self.device)
+                    with autocast:
+                        logits = self.model(x)
+                    part = loss_fn(logits, y) * (weight / len(micro))
+                    part.backward()
+                    loss += part.detach().float()
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss.reshape(1)])
+            mgr.allreduce(flat).wait()
+            off = 0
+            for p, g in zip(params, grads):
+                n = g.numel()
+                p.grad = flat[off : off + n].view_as(g).to(g.dtype)
+                off += n
+            grad_norm = (
+                torch.nn.utils.clip_grad_norm_(params, spec.optimizer.grad_clip)
+                if spec.optimizer.grad_clip is not None
+                else torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+            )
+            lr = self.optimizer.param_groups[0]["lr"]
+            if mgr.should_commit():
+                self.optimizer.step()
+                self.scheduler.step()
+                dt = time.perf_counter() - t0
+                samples = plan.global_batch_size if ft.batch == "keep" else q * shard_samples
+                row = {
+                    "step": step,
+                    "loss": float(flat[-1]),
+                    "step_time_s": dt,
+                    "tokens_per_s": samples * plan.model.seq_len / dt if dt > 0 else None,
+                    "lr": lr,
+                    "grad_norm": float(grad_norm),
+                    "replicas": q,
+                    "samples": samples,
+                    "time": time.time(),
+                }
+                with self.lock:
+                    self.rows.append(row)
+                if r == 0 and spec.checkpoint.every_steps and step % spec.checkpoint.every_steps == 0:
+                    self._save(step)
+            else:
+                failed_steps += 1
+            self.optimizer.zero_grad(set_to_none=True)
+        return {
+            "replica": self.index,
+            "incarnation": self.incarnation,
+            "first_step": first_step,
+            "healed_from_peer": self.healed_from_peer,
+            "failed_steps": failed_steps,
+        }
+
+    def _save(self, step: int) -> None:
+        """The replica state at ``step`` (tmp file, then rename: a crash never leaves a listed partial file); keeps
+        the newest ``checkpoint.keep``."""
+        if not self.ckpt_dir:
+            return
+        d = Path(self.ckpt_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".step_{step:08d}.{os.getpid()}.tmp"
+        torch.save({**self._state(), "torchft": self.manager.state_dict()}, tmp)
+        tmp.rename(d / f"step_{step:08d}.pt")
+        for old in sorted(p for p in d.iterdir() if CKPT_RE.match(p.name))[: -self.spec.checkpoint.keep]:
+            old.unlink(missing_ok=True)
+
+    def shutdown(self) -> None:
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+
+
+def _lighthouse(min_replicas: int) -> tuple[Any, str]:
+    """torchft's lighthouse in this process, on this node's IP (the replicas may run on other nodes)."""
+    from torchft.coordination import LighthouseServer
+
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info
+    ip = _node_ip()
+    server = LighthouseServer(
+        bind=f"{ip}:0",
+        min_replicas=min_replicas,
+        join_timeout_ms=JOIN_TIMEOUT_MS,
+        heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
+    )
+    port = server.address().rsplit(":", 1)[1]
+    return server, f"http://{ip}:{port}"
+
+
+def run_replicas(
+    spec: RunSpec,
+    plan: Plan,
+    *,
+    sink: Callable[[dict[str, Any]], None] | None = None,
+    on_event: Callable[[str, str], None] | None = None,
+    worker_options: dict[str, Any] | None = None,
+    ckpt_dir: str | None = None,
+) -> dict[str, Any]:
+    """Train ``spec`` as ``dp`` fault-tolerant replicas on the connected Ray cluster; returns the run's summary.
+
+    A replica whose actor dies is replaced (``resources.max_failures`` times, -1 unlimited) while the others go on;
+    the replacement heals from a peer. ``on_event(kind, text)``: ``replica_lost``, ``replica_rejoined``,
+    ``replicas_restored``. The summary's ``replica_recoveries`` has one entry per loss: the step it was lost at,
+    detection, restart (a new actor ready) and rejoin (its first committed step) times."""
+    ft = spec.fault_tolerance
+    n = plan.dp
+    spec_json, plan_json = spec.model_dump_json(), plan.model_dump_json()
+    opts: dict[str, Any] = {
+        "num_cpus": spec.resources.cpus_per_worker,
+        "max_concurrency": 2,  # take_rows while run() trains
+        "runtime_env": {"env_vars": {"RUST_LOG": os.environ.get("RUST_LOG", "warn")}},
+    }
+    if plan.device == "cuda":
+        opts["num_gpus"] = 1
+    opts.update(worker_options or {})
+    emit = on_event or (lambda kind, text: None)
+    server, address = _lighthouse(ft.min_replicas)
+    incarnation = dict.fromkeys(range(n), 1)
+    actors: dict[int, Any] = {}
+    running: dict[Any, int] = {}
+    seen: dict[int, dict[str, Any]] = {}
+    recoveries: list[dict[str, Any]] = []
+    pending: dict[int, dict[str, Any]] = {}  # replica -> its open recovery (rejoin not yet seen)
+    restarts, restores = 0, 0
+    budget = spec.resources.max_failures
+    t0 = time.time()
+
+    def start(i: int, from_storage: bool) -> Any:
+        a = ReplicaWorker.options(**opts).remote(i, incarnation[i], spec_json, plan_json, ckpt_dir, from_storage)  # type: ignore[attr-defined]
+        actors[i] = a
+        return a
+
+    def launch(ids: list[int], from_storage: bool, min_step: int = 0) -> list[dict[str, Any]]:
+        started = [start(i, from_storage) for i in ids]
+        infos = ray.get([a.ready.remote(address) for a in started])  # every Manager heartbeats before any quorum
+        for i, a in zip(ids, started):
+            running[a.run.remote(min_step)] = i
+        return infos
+
+    def drain() -> None:
+        for i, a in list(actors.items()):
+            try:
+                rows = ray.get(a.take_rows.remote(), timeout=30)
+            except (RayActorError, GetTimeoutError):
+                continue
+            for row in rows:
+                s = int(row["step"])
+                if s in seen:
+                    continue
+                seen[s] = row
+                for rec in list(pending.values()):
+                    if rec.get("resume_s") is None and s > rec["lost_step"]:
+                        rec["resume_s"] = row["time"] - rec["lost_at"]  # the live replicas commit again
+                    if row["replicas"] >= n and rec["rejoin_s"] is None and s > rec["lost_step"]:
+                        rec["rejoin_s"] = row["time"] - rec["lost_at"]
+                        rec["rejoin_step"] = s
+                        pending.pop(rec["replica"], None)
+                        emit(
+                            "replica_rejoined",
+                            f"replica {rec['replica']} rejoined at step {s} ({rec['rejoin_s']:.1f} s after it was "
+                            f"lost; healed from a live peer, not from storage); {n} replicas again",
+                        )
+                if sink is not None:
+                    sink(row)
+
+    try:
+        infos = launch(list(range(n)), from_storage=True)
+        resumed = infos[0]["step"]
+        if resumed:
+            emit("replicas_restored", f"{n} replicas start from the checkpoint of step {resumed} on storage")
+        while running:
+            done, _ = ray.wait(list(running), num_returns=1, timeout=POLL_S)
+            drain()
+            for ref in done:
+                i = running.pop(ref)
+                try:
+                    ray.get(ref)
+                    continue
+                except (RayActorError, RayTaskError) as e:
+                    if isinstance(e, RayTaskError) and not isinstance(e.cause, NoPeerToHeal):
+                        raise  # the replica's own code failed (a bad model, bad data): not a lost replica
+                    lost_at = time.time()
+                    step = max(seen, default=0)
+                    if budget != -1 and restarts >= budget:
+                        raise RuntimeError(
+                            f"replica {i} lost at step {step + 1} after {restarts} replacement(s) "
+                            f"(resources.max_failures={budget}): {type(e).__name__}"
+                        ) from e
+                    restarts += 1
+                    incarnation[i] += 1
+                    alive = len(running)
+                    rec = {"replica": i, "incarnation": incarnation[i], "lost_step": step, "lost_at": lost_at}
+                    if alive == 0:  # nobody to heal from: every replica from storage
+                        restores += 1
+                        ids = [j for j in range(n) if j not in running.values()]
+                        for j in ids:
+                            if j != i:
+                                incarnation[j] += 1
+                        launch(ids, from_storage=True)
+                        text = f"every replica lost (replica {i} last); all restart from the newest checkpoint"
+                        emit("replicas_restored", text)
+                        continue
+                    emit(
+                        "replica_lost",
+                        f"replica {i} lost at step {step + 1} ({type(e).__name__}); {alive} of {n} replicas go on; "
+                        f"replacement {restarts}"
+                        + (f" of {budget}" if budget != -1 else "")
+                        + " starts and heals from a live peer",
+                    )
+                    t_start = time.time()
+                    launch([i], from_storage=False, min_step=step)
+                    rec.update(detect_s=t_start - lost_at, restart_s=time.time() - t_start, rejoin_s=None)
+                    recoveries.append(rec)
+                    pending[i] = rec
+        drain()
+    finally:
+        for a in actors.values():
+            with contextlib.suppress(Exception):
+                ray.kill(a)
+        server.shutdown()
+    ordered = [seen[k]["loss"] for k in sorted(seen)]
+    return {
+        "steps_done": max(seen, default=0),
+        "final_loss": ordered[-1] if ordered else None,
+        "losses": ordered,
+        "wall_time_s": time.time() - t0,
+        "replica_restarts": restarts,
+        "replica_restores": restores,
+        "replica_recoveries": [
+            {k: (round(v, 3) if isinstance(v, float) else v) for k, v in rec.items() if k != "lost_at"}
+            for rec in recoveries
+        ],
+        "min_replicas_seen": min((r["replicas"] for r in seen.values()), default=None),
+        "host": socket.gethostname(),
+    }
