@@ -27,6 +27,7 @@ first time it sees it. Rows carry ``replicas`` (the quorum size of that step) an
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -97,7 +98,9 @@ class ReplicaWorker:
         self.spec = spec = RunSpec.model_validate_json(spec_json)
         self.plan = plan = Plan.model_validate_json(plan_json)
         torch.set_num_threads(max(1, int(spec.resources.cpus_per_worker)))
-        self.device = torch.device("cuda", torch.cuda.current_device()) if plan.device == "cuda" else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if plan.device == "cuda" else torch.device("cpu")
+        )
         torch.manual_seed(spec.train.seed)
         self.model = materialize(build_model(plan.model, device="meta"), device=self.device, seed=spec.train.seed)
         self.optimizer = build_optimizer([self.model], spec, plan)
@@ -127,10 +130,15 @@ class ReplicaWorker:
         self.lock = Lock()
         self.manager: Any = None
         self.healed_from_peer = False
+        self.rejoining = incarnation > 1 and not from_storage  # a replacement: its first step waits for its heal
 
     # ------------------------------------------------------------------ state shared with peers
     def _state(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict(), "sched": self.scheduler.state_dict()}
+        return {
+            "model": self.model.state_dict(),
+            "optim": self.optimizer.state_dict(),
+            "sched": self.scheduler.state_dict(),
+        }
 
     def _load(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
@@ -170,7 +178,14 @@ class ReplicaWorker:
         )
         if self.restored_step:
             self.manager.load_state_dict(self._restored_torchft)
-        return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(), "step": self.restored_step}
+        return {
+            "rank": self.index,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+            "local_rank": 0,
+            "host": os.uname().nodename,
+            "step": self.restored_step,
+        }
 
     def take_rows(self) -> list[dict[str, Any]]:
         with self.lock:
@@ -192,10 +207,13 @@ class ReplicaWorker:
         shard_samples = plan.global_batch_size // plan.dp
         first_step: int | None = None
         failed_steps = 0
+        failed_since: float | None = None
+        prev_q: int | None = None
         while mgr.current_step() < spec.train.steps:
             t0 = time.perf_counter()
             self.faults.before_step(mgr.current_step() + 1)
             mgr.start_quorum()
+            tq = time.perf_counter()
             step = mgr.current_step() + 1  # after a heal: the peers' step
             if first_step is None and step <= min_step:
                 raise NoPeerToHeal(f"replica {self.index} is at step {step - 1} with no live peer at step {min_step}")
@@ -215,8 +233,13 @@ class ReplicaWorker:
                     part.backward()
                     loss += part.detach().float()
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss.reshape(1)])
+            me = torch.zeros(plan.dp, device=self.device)  # who trained this step (a one-hot, summed below)
+            me[self.index] = 1.0 if r is not None else 0.0
+            flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss.reshape(1), me])
             mgr.allreduce(flat).wait()
+            who = (flat[-plan.dp :] * max(q, 1)).round().tolist()
+            mask = sum(1 << i for i, v in enumerate(who) if v > 0)
+            flat = flat[: -plan.dp]
             off = 0
             for p, g in zip(params, grads):
                 n = g.numel()
@@ -231,7 +254,11 @@ class ReplicaWorker:
             if mgr.should_commit():
                 self.optimizer.step()
                 self.scheduler.step()
-                dt = time.perf_counter() - t0
+                # a quorum that lost a replica (or failed tries) or gained one: its wait is recovery, not step time
+                shrank = failed_since is not None or (prev_q is not None and q < prev_q)
+                grew = (prev_q is not None and q > prev_q) or (prev_q is None and self.rejoining)
+                began = failed_since if failed_since is not None else t0
+                dt = time.perf_counter() - (tq if shrank or grew else t0)
                 samples = plan.global_batch_size if ft.batch == "keep" else q * shard_samples
                 row = {
                     "step": step,
@@ -241,15 +268,22 @@ class ReplicaWorker:
                     "lr": lr,
                     "grad_norm": float(grad_norm),
                     "replicas": q,
+                    "replica_mask": mask,  # bit i: replica i trained this step
                     "samples": samples,
                     "time": time.time(),
                 }
+                if shrank:  # a peer lost: failed tries and the wait for a quorum without it (failure detection)
+                    row["recovery_s"] = tq - began
+                elif grew:  # a replacement joined: the wait while it healed from a peer
+                    row["rejoin_s"] = tq - began
+                failed_since, prev_q = None, q
                 with self.lock:
                     self.rows.append(row)
                 if r == 0 and spec.checkpoint.every_steps and step % spec.checkpoint.every_steps == 0:
                     self._save(step)
             else:
                 failed_steps += 1
+                failed_since = t0 if failed_since is None else failed_since
             self.optimizer.zero_grad(set_to_none=True)
         return {
             "replica": self.index,
@@ -301,13 +335,15 @@ def run_replicas(
     on_event: Callable[[str, str], None] | None = None,
     worker_options: dict[str, Any] | None = None,
     ckpt_dir: str | None = None,
+    on_start: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> dict[str, Any]:
     """Train ``spec`` as ``dp`` fault-tolerant replicas on the connected Ray cluster; returns the run's summary.
 
     A replica whose actor dies is replaced (``resources.max_failures`` times, -1 unlimited) while the others go on;
     the replacement heals from a peer. ``on_event(kind, text)``: ``replica_lost``, ``replica_rejoined``,
     ``replicas_restored``. The summary's ``replica_recoveries`` has one entry per loss: the step it was lost at,
-    detection, restart (a new actor ready) and rejoin (its first committed step) times."""
+    detection, restart (a new actor ready) and rejoin (its first committed step) times. ``on_start(ranks)``: once
+    the first replicas are ready, before any row reaches ``sink`` (rank, node_id, pid, host per replica)."""
     ft = spec.fault_tolerance
     n = plan.dp
     spec_json, plan_json = spec.model_dump_json(), plan.model_dump_json()
@@ -344,7 +380,7 @@ def run_replicas(
         return infos
 
     def drain() -> None:
-        for i, a in list(actors.items()):
+        for a in list(actors.values()):
             try:
                 rows = ray.get(a.take_rows.remote(), timeout=30)
             except (RayActorError, GetTimeoutError):
@@ -371,6 +407,8 @@ def run_replicas(
 
     try:
         infos = launch(list(range(n)), from_storage=True)
+        if on_start is not None:
+            on_start(infos)
         resumed = infos[0]["step"]
         if resumed:
             emit("replicas_restored", f"{n} replicas start from the checkpoint of step {resumed} on storage")
@@ -395,16 +433,24 @@ def run_replicas(
                     restarts += 1
                     incarnation[i] += 1
                     alive = len(running)
-                    rec = {"replica": i, "incarnation": incarnation[i], "lost_step": step, "lost_at": lost_at}
+                    rec: dict[str, Any] = {
+                        "replica": i,
+                        "incarnation": incarnation[i],
+                        "lost_step": step,
+                        "lost_at": lost_at,
+                    }
                     if alive == 0:  # nobody to heal from: every replica from storage
                         restores += 1
                         ids = [j for j in range(n) if j not in running.values()]
                         for j in ids:
                             if j != i:
                                 incarnation[j] += 1
-                        launch(ids, from_storage=True)
-                        text = f"every replica lost (replica {i} last); all restart from the newest checkpoint"
-                        emit("replicas_restored", text)
+                        back = launch(ids, from_storage=True)[0]["step"]
+                        for k in [k for k in seen if k > back]:
+                            del seen[k]  # trained again: their new rows replace the old ones
+                        pending.clear()
+                        where = f"the checkpoint of step {back}" if back else "step 0 (no checkpoint on storage)"
+                        emit("replicas_restored", f"every replica lost (replica {i} last); all restart from {where}")
                         continue
                     emit(
                         "replica_lost",
@@ -414,7 +460,9 @@ def run_replicas(
                         + " starts and heals from a live peer",
                     )
                     t_start = time.time()
-                    launch([i], from_storage=False, min_step=step)
+                    info = launch([i], from_storage=False, min_step=step)[0]
+                    where = {str(i): f"{info['node_id'][:12]} pid {info['pid']}"}
+                    emit("placement", "rank -> node: " + json.dumps(where))  # the replacement, as the attempt's ranks
                     rec.update(detect_s=t_start - lost_at, restart_s=time.time() - t_start, rejoin_s=None)
                     recoveries.append(rec)
                     pending[i] = rec

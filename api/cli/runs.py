@@ -298,7 +298,12 @@ def goodput_line(g: Any) -> str:
         mine = ", ".join(f"{k.replace('_', ' ')} {v:.0f} s" for k, v in a.lost_s.model_dump().items() if v >= 0.5)
         per.append(f"#{a.attempt} {a.productive_s:.0f} s" + (f" ({mine})" if mine else ""))
     attempts = f"; per attempt: {'; '.join(per)}" if len(per) > 1 else ""
-    return head + (f"; lost: {tail}" if tail else "") + redone + attempts
+    reps = [  # replica mode: what each replica trained, and how long the run went on without it
+        f"r{r.replica} {r.steps} steps" + (f", out {r.absent_s:.0f} s after {r.losses} loss(es)" if r.losses else "")
+        for r in (getattr(g, "replicas", None) or [])
+    ]
+    replicas = f"; per replica: {'; '.join(reps)}" if reps else ""
+    return head + (f"; lost: {tail}" if tail else "") + redone + attempts + replicas
 
 
 @command(app, "metrics")

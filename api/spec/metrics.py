@@ -189,6 +189,33 @@ class MetricRow(_Public):
         unit="workers",
         column=False,
     )
+    replicas: int | None = _field(
+        "fault_tolerance replica: replicas in this step's quorum (fewer than dp while a lost replica restarts).",
+        unit="replicas",
+        column=False,
+    )
+    replica_mask: int | None = _field(
+        "fault_tolerance replica: the replicas that trained this step, bit i for replica i.",
+        unit="bitmask",
+        column=False,
+    )
+    samples: int | None = _field(
+        "fault_tolerance replica: sequences this step trained on (the global batch, or less with batch: shrink).",
+        unit="sequences",
+        column=False,
+    )
+    recovery_s: float | None = _field(
+        "fault_tolerance replica: on the first step after a replica was lost, the live replicas' failed tries "
+        "until the new quorum (failure detection).",
+        unit="s",
+        column=False,
+    )
+    rejoin_s: float | None = _field(
+        "fault_tolerance replica: on the first step after a replacement joined, the wait while it healed from a "
+        "live peer.",
+        unit="s",
+        column=False,
+    )
     peak_memory_bytes_per_rank: list[int] | None = _field(
         "peak_memory_bytes per rank (index = rank).", unit="bytes", column=False
     )

@@ -150,6 +150,16 @@ class GoodputAttempt(_Public):
     lost_s: GoodputAttemptLost = Field(default_factory=GoodputAttemptLost)
 
 
+class GoodputReplica(_Public):
+    """Replica mode (``fault_tolerance.mode: replica``): one data-parallel replica's share."""
+
+    replica: int
+    steps: int = Field(0, description="Steps it trained in.")
+    productive_s: float = Field(0.0, description="Step time of those steps.")
+    absent_s: float = Field(0.0, description="Step time of the steps the run made without it (restart and heal).")
+    losses: int = Field(0, description="Times it was lost and replaced.")
+
+
 class RunGoodput(_Public):
     """Productive step time over the wall time since submission (until the end, or now while it runs)."""
 
@@ -163,6 +173,9 @@ class RunGoodput(_Public):
     attempts: int = 0
     attempts_detail: list[GoodputAttempt] = Field(
         default_factory=list, description="Per attempt (worker-group start): productive time and what it lost."
+    )
+    replicas: list[GoodputReplica] | None = Field(
+        None, description="Replica mode only: per data-parallel replica, what it trained and how long it was out."
     )
 
 

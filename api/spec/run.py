@@ -356,7 +356,9 @@ class FaultToleranceSpec(_Spec):
     peer's in-memory state, not from storage, then rejoins at a step boundary. Layouts: plain data parallel (dp >= 2,
     tp 1, pp 1, zero_stage 0); docs/fault-tolerance.md."""
 
-    mode: Literal["group", "replica"] = Field("group", description="group: restart every worker; replica: only the lost one.")
+    mode: Literal["group", "replica"] = Field(
+        "group", description="group: restart every worker; replica: only the lost one."
+    )
     min_replicas: int = Field(
         1, ge=1, le=MAX_WORLD_SIZE, description="replica: replicas a step needs to commit (fewer: the step waits)."
     )

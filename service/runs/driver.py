@@ -44,6 +44,7 @@ from service.security.paths import project_checkpoint_root
 from service.settings import Settings
 from service.store.db import make_engine, make_sessionmaker, session_scope
 from workers.async_ps import run_async_ps
+from workers.replica_ft import run_replicas
 
 logger = logging.getLogger("meshrun.driver")
 
@@ -199,16 +200,17 @@ def _on_term(signum: int, _frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _ps_checkpoint_dir(spec: RunSpec, settings: Settings, run_id: str) -> str | None:
-    """Where the parameter servers checkpoint (``<storage>/<run id>/ps``; None: no every_steps, or remote storage)."""
+def _actor_checkpoint_dir(spec: RunSpec, settings: Settings, run_id: str, sub: str) -> str | None:
+    """Where the actor-based modes (async_ps servers, replica mode) checkpoint: ``<storage>/<run id>/<sub>`` (None:
+    no every_steps, or remote storage)."""
     if not spec.checkpoint.every_steps:
         return None
     storage = spec.checkpoint.storage or str(settings.checkpoint_root)
     if "://" in storage:
-        logger.warning("run %s: async_ps checkpoints need a local directory, not %s: none written", run_id, storage)
+        logger.warning("run %s: %s checkpoints need a local directory, not %s: none written", run_id, sub, storage)
         return None
     local = Path(storage).expanduser()
-    return str((local if local.is_absolute() else Path(settings.data_dir) / local) / run_id / "ps")
+    return str((local if local.is_absolute() else Path(settings.data_dir) / local) / run_id / sub)
 
 
 def _run_async_ps(spec: RunSpec, plan: Plan, channel: Any, ckpt_dir: str | None) -> None:
@@ -231,6 +233,29 @@ def _run_async_ps(spec: RunSpec, plan: Plan, channel: Any, ckpt_dir: str | None)
     summary.pop("ps_restores", None)
     for key in ("final_params", "split"):
         summary.pop(key, None)
+    ray.get(channel.done.remote(summary))
+
+
+def _run_replicas(spec: RunSpec, plan: Plan, channel: Any, ckpt_dir: str | None) -> None:
+    """fault_tolerance.mode replica: torchft replicas as Ray actors (``workers.replica_ft``), no TorchTrainer. A lost
+    replica is a run event (replaced, healed from a peer), not a failed attempt; rows go to the channel as they
+    come, each step once, with the replica count of that step."""
+    attempt = 0
+
+    def start(ranks: list[dict[str, Any]]) -> None:
+        nonlocal attempt
+        cause = f"start (fault_tolerance replica: {plan.dp} torchft replicas)"
+        attempt = ray.get(channel.begin_attempt.remote({"cause": cause, "ranks": ranks}))
+
+    summary = run_replicas(
+        spec,
+        plan,
+        sink=lambda row: channel.metrics.remote(attempt, [row]),
+        on_event=lambda kind, text: channel.event.remote(kind, text),
+        ckpt_dir=ckpt_dir,
+        on_start=start,
+    )
+    summary.pop("losses", None)
     ray.get(channel.done.remote(summary))
 
 
@@ -294,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         with life.channel(first_attempt=first_attempt) as channel, watch_preempt_requests(factory, run_id, channel):
             try:
                 if spec.layout.sync == "async_ps":
-                    _run_async_ps(spec, plan, channel, _ps_checkpoint_dir(spec, settings, run_id))
+                    _run_async_ps(spec, plan, channel, _actor_checkpoint_dir(spec, settings, run_id, "ps"))
+                elif spec.fault_tolerance.mode == "replica":
+                    _run_replicas(spec, plan, channel, _actor_checkpoint_dir(spec, settings, run_id, "replica"))
                 else:
                     life.phase(placing_phase(plan))
                     build_trainer(

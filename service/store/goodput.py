@@ -18,10 +18,17 @@ step, ``step_time_s`` its duration) and its ``worker_error`` events. ``account``
 
 ``attempts_detail`` splits the same per attempt: its productive and recomputed step time, and the startup, failure
 detection, restart and checkpoint stall that led to or held it.
+
+Replica mode (``fault_tolerance.mode: replica``): a lost replica fails no attempt; its peers' failed tries and wait
+until the next quorum (a row's ``recovery_s``) count as failure_detection, their wait while its replacement heals
+from them (``rejoin_s``) as restart, and ``replicas`` says per replica how many
+steps it trained, the step time of the steps the run made without it (``absent_s``: its restart and heal) and how
+often it was lost.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -49,6 +56,8 @@ class AttemptTimes:
     recomputed_s: float = 0.0
     recomputed_steps: int = 0
     checkpoint_stall_s: float = 0.0
+    recovery_s: float = 0.0  # replica mode: the live replicas' failed tries and quorum wait after a peer was lost
+    rejoin_s: float = 0.0  # replica mode: their quorum wait while a replacement healed from them
 
 
 def account(
@@ -77,6 +86,7 @@ def account(
     for a in sorted(attempts, key=lambda x: x.attempt):
         mine = dict.fromkeys(PER_ATTEMPT, 0.0)
         mine["recomputed_steps"], mine["checkpoint_stall"] = a.recomputed_s, a.checkpoint_stall_s
+        mine["failure_detection"], mine["restart"] = a.recovery_s, a.rejoin_s
         detail.append({"attempt": a.attempt, "productive_s": a.step_time_s - a.recomputed_s, "lost_s": mine})
         if a.first_start is None:
             continue  # no step yet: its time goes to the next attempt's restart (or to other)
@@ -85,11 +95,11 @@ def account(
             mine["startup"] = max(0.0, a.first_start - (sub if sub is not None else a.started_at))
         elif sub is not None and sub >= prev.last_end:  # a new Ray Job after a preemption (or a resume)
             stop = min((t for t in requeued if t >= prev.last_end), default=sub)
-            mine["restart"] = max(0.0, stop - prev.last_end) + max(0.0, a.first_start - sub)
+            mine["restart"] += max(0.0, stop - prev.last_end) + max(0.0, a.first_start - sub)
         else:  # Ray Train restarted the worker group after a failure
             err = min((e for e in error_times if prev.last_end <= e <= a.first_start), default=a.started_at)
-            mine["failure_detection"] = max(0.0, err - prev.last_end)
-            mine["restart"] = max(0.0, a.first_start - err)
+            mine["failure_detection"] += max(0.0, err - prev.last_end)
+            mine["restart"] += max(0.0, a.first_start - err)
         prev = a
     for d in detail:
         for k, v in d["lost_s"].items():
@@ -116,11 +126,16 @@ def _ts(dt: datetime | None) -> float | None:
 def run_goodput(session: Session, *, run: Run, now: datetime | None = None) -> dict[str, Any]:
     """The goodput breakdown of ``run`` (until it finished, or until ``now``)."""
     rid = run.id
+    replica_mode = ((run.spec or {}).get("fault_tolerance") or {}).get("mode") == "replica"
     events = session.execute(
-        select(RunEvent.time, RunEvent.kind, RunEvent.to_status).where(RunEvent.run_id == rid).order_by(RunEvent.id)
+        select(RunEvent.time, RunEvent.kind, RunEvent.reason, RunEvent.to_status)
+        .where(RunEvent.run_id == rid)
+        .order_by(RunEvent.id)
     ).all()
-    states = [(_ts(t) or 0.0, to) for t, kind, to in events if kind == "state" and to]
-    errors = [_ts(t) or 0.0 for t, kind, _ in events if kind == "worker_error"]
+    states = [(_ts(t) or 0.0, to) for t, kind, _r, to in events if kind == "state" and to]
+    errors = [_ts(t) or 0.0 for t, kind, _r, _to in events if kind == "worker_error"]
+    reasons = [(kind, reason) for _t, kind, reason, _to in events]
+    redone_from: dict[int, int | None] = {}  # attempt -> the first step a later attempt redid
     per = session.execute(
         select(
             Metric.attempt,
@@ -165,10 +180,16 @@ def run_goodput(session: Session, *, run: Run, now: datetime | None = None) -> d
                 redo_n, redo_s = int(redo[0]), float(redo[1] or 0.0)
         begun = _ts(started.get(n)) or first_start or 0.0
         stall = _checkpoint_stall(session, rid, n) if row is not None else 0.0
-        attempts.append(AttemptTimes(n, begun, first_start, last_end, total, redo_s, redo_n, stall))
+        recovery = _recovery_s(session, rid, n, redo_from) if replica_mode and row is not None else (0.0, 0.0)
+        attempts.append(AttemptTimes(n, begun, first_start, last_end, total, redo_s, redo_n, stall, *recovery))
+        redone_from[n] = redo_from
     created = _ts(run.created_at) or 0.0
     end = _ts(run.finished_at) or _ts(now) or datetime.now(UTC).timestamp()
-    return account(created=created, end=end, states=states, attempts=attempts, error_times=errors)
+    out = account(created=created, end=end, states=states, attempts=attempts, error_times=errors)
+    if replica_mode:
+        lost_text = [reason or "" for kind, reason in reasons if kind == "replica_lost"]
+        out["replicas"] = _replicas(session, rid, _replica_count(run), redone_from, lost_text)
+    return out
 
 
 def _checkpoint_stall(session: Session, run_id: str, attempt: int) -> float:
@@ -186,3 +207,60 @@ def _checkpoint_stall(session: Session, run_id: str, attempt: int) -> float:
     ).all()
     at = {int(step): (_ts(t) or 0.0, float(period or 0.0)) for step, t, period in rows}
     return sum(max(0.0, (at[k + 1][0] - at[k + 1][1]) - at[k][0]) for k in saved if k in at and k + 1 in at)
+
+
+LOST_RE = re.compile(r"^replica (\d+) lost")
+
+
+def _replica_count(run: Run) -> int:
+    plan = run.plan or {}
+    return int((plan.get("layout") or {}).get("dp") or ((run.spec or {}).get("layout") or {}).get("dp") or 1)
+
+
+def _counted(run_id: str, attempt: int, redo_from: int | None) -> list[Any]:
+    """The conditions of an attempt's rows that count (not redone by a later attempt)."""
+    where = [Metric.run_id == run_id, Metric.attempt == attempt]
+    if redo_from is not None:
+        where.append(Metric.step < redo_from)
+    return where
+
+
+def _recovery_s(session: Session, run_id: str, attempt: int, redo_from: int | None) -> tuple[float, float]:
+    """Replica mode: the live replicas' lost time when a peer was lost (rows' ``recovery_s``) and when its
+    replacement joined (``rejoin_s``)."""
+    lost, rejoin = session.execute(
+        select(
+            func.coalesce(func.sum(Metric.extra["recovery_s"].as_float()), 0.0),
+            func.coalesce(func.sum(Metric.extra["rejoin_s"].as_float()), 0.0),
+        ).where(*_counted(run_id, attempt, redo_from))
+    ).one()
+    return float(lost or 0.0), float(rejoin or 0.0)
+
+
+def _replicas(
+    session: Session, run_id: str, n: int, redo: dict[int, int | None], lost_text: Sequence[str]
+) -> list[dict[str, Any]]:
+    """Per replica: steps trained, the step time of the steps the run made without it, times it was lost."""
+    steps, productive, absent = [0] * n, [0.0] * n, [0.0] * n
+    for attempt, redo_from in redo.items():
+        mask = Metric.extra["replica_mask"].as_integer()
+        groups = session.execute(
+            select(mask, func.count(), func.coalesce(func.sum(Metric.step_time_s), 0.0))
+            .where(*_counted(run_id, attempt, redo_from))
+            .group_by(mask)
+        ).all()
+        for m, count, secs in groups:
+            for i in range(n):
+                if m is not None and int(m) >> i & 1:
+                    steps[i] += int(count)
+                    productive[i] += float(secs or 0.0)
+                else:
+                    absent[i] += float(secs or 0.0)
+    losses = [0] * n
+    for text in lost_text:
+        if (hit := LOST_RE.match(text)) and int(hit.group(1)) < n:
+            losses[int(hit.group(1))] += 1
+    return [
+        {"replica": i, "steps": steps[i], "productive_s": productive[i], "absent_s": absent[i], "losses": losses[i]}
+        for i in range(n)
+    ]

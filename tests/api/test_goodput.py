@@ -74,3 +74,40 @@ def test_goodput_of_a_run_restarted_after_a_failure(client) -> None:
     lost_cells = [row.split('class="small attempt-lost">', 1)[1].split("</td>", 1)[0]
                   for row in page.text.split('<tr class="attempt-row">')[1:]]  # fmt: skip
     assert len(lost_cells) == 2 and "startup" in lost_cells[0] and "checkpoint stall" in lost_cells[1], lost_cells
+
+
+def test_goodput_of_a_replica_mode_run(client) -> None:
+    """fault_tolerance replica: one attempt; replica 1 lost after step 2 and back at step 5. The live replica's wait
+    for a quorum without it is failure detection, its wait while the replacement healed is restart, and each
+    replica's steps and time out come from the rows' replica masks (JSON in ``extra``, on SQLite and PostgreSQL)."""
+    spec = {"name": "r", "layout": {"dp": 2}, "fault_tolerance": {"mode": "replica"}}
+    with session_scope(client.app.state.session_factory) as s:
+        run, _ = store.create_run(s, spec=spec, plan=None, name="r")
+        rid = run.id
+        store.transition(s, run_id=rid, to="STARTING", reason="admitted")
+        store.transition(s, run_id=rid, to="RUNNING", reason="driver")
+        store.start_attempt(s, run_id=rid, cause="start")
+        store.add_event(s, run_id=rid, kind="replica_lost", reason="replica 1 lost at step 3 (ActorDiedError); ...")
+        masks = {1: 3, 2: 3, 3: 1, 4: 1, 5: 3, 6: 3}
+        rows = [{"step": k, "step_time_s": 1.0, "replicas": bin(m).count("1"), "replica_mask": m,
+                 "time": _at(10 + k).timestamp()} for k, m in masks.items()]  # fmt: skip
+        rows[2]["recovery_s"], rows[4]["rejoin_s"] = 1.5, 0.25
+        store.add_metrics(s, run_id=rid, attempt=1, rows=rows)
+        store.end_run(s, run_id=rid, to="SUCCEEDED", reason="done")
+    g = client.get(f"/v1/runs/{rid}/goodput").json()
+    assert g["attempts"] == 1
+    assert g["lost_s"]["failure_detection"] == pytest.approx(1.5) and g["lost_s"]["restart"] == pytest.approx(0.25)
+    r0, r1 = g["replicas"]
+    assert r0 == {"replica": 0, "steps": 6, "productive_s": 6.0, "absent_s": 0.0, "losses": 0}
+    assert r1 == {"replica": 1, "steps": 4, "productive_s": 4.0, "absent_s": 2.0, "losses": 1}
+    page = client.get(f"/runs/{rid}")
+    table = page.text.split('id="replicas"', 1)[1].split("</table>", 1)[0]
+    assert table.count('<tr class="replica-row">') == 2
+
+
+def test_goodput_of_a_group_mode_run_has_no_replica_split(client) -> None:
+    with session_scope(client.app.state.session_factory) as s:
+        run, _ = store.create_run(s, spec={"name": "g"}, plan=None, name="g")
+        rid = run.id
+    g = client.get(f"/v1/runs/{rid}/goodput").json()
+    assert g["replicas"] is None
