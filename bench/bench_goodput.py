@@ -134,13 +134,14 @@ def _run_once(url: str, args: argparse.Namespace, mode: str, rng: random.Random)
         if not cursor or not page["items"]:
             break
     continuous = [x["step"] for x in rows] == list(range(1, steps + 1))
-    full = sorted(x["step_time_s"] for x in rows if x.get("step_time_s") and (x.get("replicas") or 2) == 2)
-    ideal = full[len(full) // 2] if full else None  # the median step with every replica
+    full = [x["step_time_s"] for x in rows if x.get("step_time_s") and (x.get("replicas") or 2) == 2]
+    ideal = sum(full) / len(full) if full else None  # the mean step with every replica
     # throughput goodput: the steps done at the full-quorum pace over the wall time (a step a lone replica trained
     # at half speed counts as time spent, not as lost, in the goodput above; here it counts at the pace it kept)
     pace = len(rows) * ideal / g["wall_s"] if ideal and g["wall_s"] else None
     print(f"[{mode}] status {r['status']}, {kills} signals, {g['attempts']} attempts, steps continuous: {continuous}")
-    head = f"[{mode}] goodput {100 * (g['goodput'] or 0):.1f}% (productive {g['productive_s']:.0f} s of {g['wall_s']:.0f} s)"
+    head = f"[{mode}] goodput {100 * (g['goodput'] or 0):.1f}% "
+    head += f"(productive {g['productive_s']:.0f} s of {g['wall_s']:.0f} s)"
     print(head + (f"; at the full-quorum pace {100 * pace:.1f}%" if pace else ""))
     for cause, secs in g["lost_s"].items():
         print(f"  lost to {cause.replace('_', ' '):18s} {secs:7.1f} s")
@@ -149,7 +150,8 @@ def _run_once(url: str, args: argparse.Namespace, mode: str, rng: random.Random)
         print(f"  replica {rep['replica']}: {rep['steps']} steps, out {rep['absent_s']:.1f} s, lost {rep['losses']}x")
     print(json.dumps(g), flush=True)
     return {"mode": mode, "status": r["status"], "continuous": continuous, "goodput": g["goodput"] or 0.0,
-            "pace": pace, "kills": kills, "final_loss": rows[-1]["loss"] if rows else None}  # fmt: skip
+            "pace": pace, "kills": kills, "final_loss": rows[-1]["loss"] if rows else None,
+            "wall_s": g["wall_s"]}  # fmt: skip
 
 
 def main() -> int:
@@ -189,11 +191,12 @@ def main() -> int:
         load1 = os.getloadavg()
         print(f"machine load (1/5/15 min) before {load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f}, "
               f"after {load1[0]:.2f}/{load1[1]:.2f}/{load1[2]:.2f}; {os.cpu_count()} CPUs")  # fmt: skip
-        print(f"{'mode':8s} {'status':10s} {'kills':>5s} {'goodput':>8s} {'pace':>7s} {'final loss':>10s}")
+        print(f"{'mode':8s} {'status':10s} {'kills':>5s} {'wall':>7s} {'goodput':>8s} {'pace':>7s} {'final loss':>10s}")
         for o in out:
             pace = f"{100 * o['pace']:.1f}%" if o["pace"] else "-"
             loss = f"{o['final_loss']:.4f}" if o["final_loss"] is not None else "-"
-            print(f"{o['mode']:8s} {o['status']:10s} {o['kills']:5d} {100 * o['goodput']:7.1f}% {pace:>7s} {loss:>10s}")
+            wall, good = f"{o['wall_s']:.0f} s", f"{100 * o['goodput']:.1f}%"
+            print(f"{o['mode']:8s} {o['status']:10s} {o['kills']:5d} {wall:>7s} {good:>8s} {pace:>7s} {loss:>10s}")
         ok = all(o["status"] == "SUCCEEDED" and o["continuous"] for o in out)
         return 0 if ok and out and out[0]["goodput"] >= args.min_goodput else 1
     finally:

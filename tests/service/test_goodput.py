@@ -71,3 +71,22 @@ def test_the_cli_line_names_each_attempts_losses_when_there_are_several() -> Non
     assert line.startswith(f"{g.goodput:.1%} of 136 s; lost: startup 10 s, failure detection 3 s, restart 7 s")
     assert line.endswith("; per attempt: #1 25 s (startup 10 s, recomputed steps 5 s); #2 75 s (failure detection 3 s, "
                          "restart 7 s, checkpoint stall 2 s)"), line
+
+
+def test_replica_mode_waits_count_as_detection_and_restart_and_the_cli_names_each_replica() -> None:
+    """A replica-mode run keeps one attempt: its rows' recovery and rejoin waits are its failure detection and
+    restart, and the CLI line lists what each replica trained and how long it was out."""
+    from api.cli.runs import goodput_line
+    from api.spec import RunGoodput
+
+    states = [(0.0, "QUEUED"), (1.0, "STARTING"), (2.0, "RUNNING"), (100.0, "SUCCEEDED")]
+    one = AttemptTimes(1, 3.0, 5.0, 99.0, 90.0, recovery_s=2.0, rejoin_s=0.5)
+    g = account(created=0.0, end=100.0, states=states, attempts=[one])
+    assert g["lost_s"]["failure_detection"] == pytest.approx(2.0) and g["lost_s"]["restart"] == pytest.approx(0.5)
+    assert g["productive_s"] + sum(g["lost_s"].values()) == pytest.approx(100.0)
+    g["replicas"] = [
+        {"replica": 0, "steps": 900, "productive_s": 90.0, "absent_s": 0.0, "losses": 0},
+        {"replica": 1, "steps": 850, "productive_s": 85.0, "absent_s": 5.0, "losses": 2},
+    ]
+    line = goodput_line(RunGoodput.model_validate({"run_id": "r", "status": "SUCCEEDED", **g}))
+    assert line.endswith("; per replica: r0 900 steps; r1 850 steps, out 5 s after 2 loss(es)"), line
