@@ -461,8 +461,8 @@ def run_replicas(
                     )
                     t_start = time.time()
                     info = launch([i], from_storage=False, min_step=step)[0]
-                    where = {str(i): f"{info['node_id'][:12]} pid {info['pid']}"}
-                    emit("placement", "rank -> node: " + json.dumps(where))  # the replacement, as the attempt's ranks
+                    placed = {str(i): f"{info['node_id'][:12]} pid {info['pid']}"}
+                    emit("placement", "rank -> node: " + json.dumps(placed))  # the replacement, as the attempt's ranks
                     rec.update(detect_s=t_start - lost_at, restart_s=time.time() - t_start, rejoin_s=None)
                     recoveries.append(rec)
                     pending[i] = rec

@@ -26,6 +26,12 @@ class SweepBudget(_Spec):
     steps_per_trial: int = Field(10, ge=2, le=100_000)
     warmup_steps: int = Field(2, ge=0, le=100_000, description="Steps excluded from the measurement.")
     max_concurrent_trials: int = Field(1, ge=1, le=64)
+    warm_workers: bool = Field(
+        True,
+        description="Run the trials one after another in warm worker groups (one worker start per sweep and "
+        "shape; each trial re-meshes in place and reserves its workers' resources only while it trains). CPU "
+        "trials; false: one Ray Train worker group per trial.",
+    )
 
 
 class SweepCreate(_Spec):

@@ -34,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 
 import ray
 from ray import tune
@@ -55,7 +55,7 @@ from service.store.db import session_scope, shared_sessionmaker
 from service.sweeps.execution import DRIVER_ACTOR, finish_sweep
 from service.sweeps.expansion import TRIAL_DRIVER_CPU
 from service.sweeps.measurement import Measurement
-from service.sweeps.state import SweepStatus, TrialStatus, get_sweep, list_trials
+from service.sweeps.state import SweepStatus, TrialStatus, add_sweep_event, get_sweep, list_trials
 from service.sweeps.stopping import METRIC, TIME_ATTR, GracefulStop, SlowTrialStopper, early_stop_grace
 from service.sweeps.trials import (
     TrialRun,
@@ -66,6 +66,7 @@ from service.sweeps.trials import (
     prepare_trial_run,
     wait_for_admission,
 )
+from service.sweeps.warm import start_pool, usable, warm_fit
 
 logger = logging.getLogger("meshrun.sweep_driver")
 
@@ -215,20 +216,26 @@ def run_trial(config: dict[str, Any]) -> None:
     with life.channel(first_attempt=1) as channel:
         life.phase(placing_phase(tr.plan))
 
+        cancel = threading.Event()
+        warm = bool(config.get("warm")) and usable(tr.plan)
+
         def fit() -> None:
             try:
-                build_trainer(
-                    run_id=tr.run_id,
-                    run_name=tr.run_name,
-                    resume_from=None,
-                    spec=tr.spec,
-                    plan=tr.plan,
-                    placement=None,
-                    channel=channel,
-                    settings=settings,
-                    train_run_name=name,
-                    stoppable=True,
-                ).fit()
+                if warm:
+                    _warm_fit(life, tr, channel, cancel, config["sweep_id"])
+                else:
+                    build_trainer(
+                        run_id=tr.run_id,
+                        run_name=tr.run_name,
+                        resume_from=None,
+                        spec=tr.spec,
+                        plan=tr.plan,
+                        placement=None,
+                        channel=channel,
+                        settings=settings,
+                        train_run_name=name,
+                        stoppable=True,
+                    ).fit()
                 box["ok"] = True
             except BaseException as e:
                 box["error"] = e
@@ -236,6 +243,9 @@ def run_trial(config: dict[str, Any]) -> None:
         fitter = threading.Thread(target=fit, daemon=True, name="trial-fit")
         fitter.start()
         external = _follow(life, tr, channel, fitter)
+        if fitter.is_alive():  # its workers did not stop when asked: abandon them (a warm group is killed)
+            cancel.set()
+            fitter.join(10)
     try:
         stop_requested = bool(ray.get(channel.should_stop.remote(), timeout=10))
     except Exception:
@@ -268,6 +278,38 @@ def run_trial(config: dict[str, Any]) -> None:
         run_id=tr.run_id,
         final=True,
         failed=outcome.status not in (RunStatus.SUCCEEDED, RunStatus.CANCELLED),
+    )
+
+
+def _warm_fit(life: RunLifecycle, tr: TrialRun, channel: ActorHandle, cancel: threading.Event, sweep_id: str) -> None:
+    """The trial on a warm worker group of the sweep's pool (``service.sweeps.warm``); a new group is a sweep event,
+    a reused one a ``re-meshing`` phase of the trial's run."""
+
+    def on_group(gid: int, jobs: int, new: bool) -> None:
+        w = tr.plan.world_size
+        if new:
+            life.phase(f"starting warm worker group #{gid}: {w} workers (torch and the engine imported once)")
+            with session_scope(life.factory) as s:
+                add_sweep_event(
+                    s,
+                    sweep_id=sweep_id,
+                    kind="worker_group",
+                    reason=f"warm worker group #{gid} started: {w} workers, first for trial {tr.trial_id}",
+                    actor=DRIVER_ACTOR,
+                    trial_id=tr.trial_id,
+                )
+        else:
+            life.phase(f"re-meshing warm worker group #{gid} ({w} workers, {jobs} trial(s) before this one)")
+
+    warm_fit(
+        sweep_id=sweep_id,
+        run_id=tr.run_id,
+        run_name=tr.run_name,
+        spec_json=tr.spec.model_dump(mode="json", by_alias=True),
+        plan=tr.plan,
+        channel=channel,
+        cancel=cancel,
+        on_group=on_group,
     )
 
 
@@ -324,6 +366,7 @@ def run_sweep(settings: Settings, sweep_id: str) -> str:
             "job_id": job_id,
             "dashboard_url": os.environ.get(DASHBOARD_ENV),
             "trial_id": tune.grid_search(ids),
+            "warm": create.budget.warm_workers,
         },
         tune_config=tune.TuneConfig(
             metric=METRIC,
@@ -340,11 +383,34 @@ def run_sweep(settings: Settings, sweep_id: str) -> str:
             failure_config=tune.FailureConfig(max_failures=0),
         ),
     )
+    pool = start_pool(sweep_id) if create.budget.warm_workers else None
     try:
         tuner.fit()
     except KeyboardInterrupt as e:
         return f"cancelled: sweep driver stopped ({e})"
+    finally:
+        if pool is not None:
+            _close_pool(factory, sweep_id, pool)
     return "done"
+
+
+def _close_pool(factory: sessionmaker[Session], sweep_id: str, pool: ActorHandle) -> None:
+    """The sweep's warm groups end with it: one event says how many worker-group starts its trials took."""
+    try:
+        stats = cast(dict[str, Any], ray.get(pool.stats.remote(), timeout=30))
+        ray.get(pool.shutdown.remote(), timeout=60)
+        ray.kill(pool)
+    except Exception:
+        logger.exception("sweep %s: closing the warm pool failed", sweep_id)
+        return
+    with session_scope(factory) as s:
+        add_sweep_event(
+            s,
+            sweep_id=sweep_id,
+            kind="worker_group",
+            reason=f"warm worker groups: {stats['starts']} started for the sweep's trials",
+            actor=DRIVER_ACTOR,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

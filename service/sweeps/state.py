@@ -33,7 +33,7 @@ from service.store.controller import SweepStatus as SweepStatus
 from service.store.controller import TrialStatus as TrialStatus
 from service.store.controller import transition_sweep as transition_sweep
 from service.store.controller import transition_trial as transition_trial
-from service.store.models import Metric, Run, Sweep, SweepEvent, Trial, utcnow
+from service.store.models import Metric, Run, RunEvent, Sweep, SweepEvent, Trial, utcnow
 from service.store.runs import capped_count, newest_first
 
 
@@ -174,18 +174,33 @@ def trial_phases(session: Session, sweep: Sweep, trials: Sequence[Trial]) -> dic
             select(Metric.run_id, func.max(Metric.step)).where(Metric.run_id.in_(list(running))).group_by(Metric.run_id)
         ).all()
     )
+    starting = [r for r in running if not last.get(r)]
+    phase = _latest_phases(session, starting) if starting else {}
     out = {}
     for run_id, trial_id in running.items():
         step, st = int(last.get(run_id) or 0), status.get(run_id)
         if st in ("QUEUED", "PREEMPTED"):
             out[trial_id] = "queued"
-        elif step == 0:
-            out[trial_id] = "starting"
+        elif step == 0:  # a warm group's trial says whether it re-meshes one or starts a new one
+            said = phase.get(run_id) or ""
+            out[trial_id] = "re-meshing" if said.startswith("re-meshing") else "starting"
         elif step <= budget.warmup_steps:
             out[trial_id] = f"warm-up {step}/{budget.warmup_steps}"
         else:
             out[trial_id] = f"measuring {step - budget.warmup_steps}/{budget.steps_per_trial - budget.warmup_steps}"
     return out
+
+
+def _latest_phases(session: Session, run_ids: Sequence[str]) -> dict[str, str]:
+    """Each run's latest start-up phase (its newest ``phase`` event)."""
+    newest = (
+        select(RunEvent.run_id, func.max(RunEvent.id).label("id"))
+        .where(RunEvent.run_id.in_(list(run_ids)), RunEvent.kind == "phase")
+        .group_by(RunEvent.run_id)
+        .subquery()
+    )
+    rows = session.execute(select(RunEvent.run_id, RunEvent.reason).join(newest, RunEvent.id == newest.c.id)).all()
+    return {r: reason or "" for r, reason in rows}
 
 
 def sweep_public(session: Session, sweep: Sweep) -> SweepPublic:

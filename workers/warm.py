@@ -1,0 +1,143 @@
+"""Warm workers: torch processes that train one job after another, re-meshing in place between them.
+
+A ``WarmWorker`` is a Ray actor that has imported torch and the engine once. ``train(cfg)`` runs one job (a sweep
+trial) on it as rank ``cfg["rank"]`` of ``cfg["world_size"]``:
+
+1. a new default process group for this job only (``MASTER_ADDR``/``MASTER_PORT`` from rank 0's ``endpoint()``,
+   a fresh port per job; gloo on CPU), so no communicator of an earlier job is reused;
+2. the attempt registered with the job's run channel (rank -> node map, pids), as a Ray Train worker would;
+3. ``workers.loop.train_job`` with the run channel's hooks (rows, heartbeats, stragglers, profiles, stop);
+4. whatever happens: the process group destroyed (every sub-group and device mesh with it), compiled graphs
+   dropped (``torch._dynamo.reset``), the job's objects collected, the default RNG re-seeded and the thread count
+   restored, so nothing of one job leaks into the next (the engine seeds every job from its spec anyway).
+
+Its actor reserves no CPU or GPU: the job's placement group (created by whoever runs the job, on the same nodes)
+holds the resources while a job trains, so an idle warm worker holds only its memory. CPU only for now (a GPU
+worker would need its device chosen per job).
+
+Imports ray and torch only (no fastapi, no sqlalchemy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+@ray.remote(num_cpus=0)
+class WarmWorker:
+    def __init__(self, threads: int = 1) -> None:
+        import workers.loop  # noqa: F401  (the engine, imported once per process: this is the warm part)
+
+        self.threads = max(1, int(threads))
+        torch.set_num_threads(self.threads)
+        self.jobs = 0
+        self.started = time.time()
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "host": os.uname().nodename,
+            "jobs": self.jobs,
+        }
+
+    def endpoint(self) -> tuple[str, int]:
+        """Rank 0's rendezvous for the next job: this node's IP and a port free now."""
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            return ip, int(s.getsockname()[1])
+
+    def train(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        """One job as ``cfg["rank"]``; returns this worker's part of the result (rank 0: the summary)."""
+        from api.spec import Plan, RunSpec
+        from workers.engine import WorkerJob
+        from workers.loop import init_distributed, train_job
+        from workers.ray_worker import RowSink, _gather_objects, _publisher, channel_hooks
+
+        rank, world = int(cfg["rank"]), int(cfg["world_size"])
+        spec, plan = RunSpec.model_validate(cfg["spec"]), Plan.model_validate(cfg["plan"])
+        channel, run_id = cfg["channel"], cfg["run_id"]
+        os.environ.update(
+            MASTER_ADDR=str(cfg["master_addr"]),
+            MASTER_PORT=str(cfg["master_port"]),
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(cfg.get("local_rank", 0)),
+            LOCAL_WORLD_SIZE=str(cfg.get("local_world_size", world)),
+        )
+        self.jobs += 1
+        root = Path(tempfile.gettempdir()) / "meshrun-warm" / run_id
+        rows: RowSink | None = None
+        summary: dict[str, Any] = {}
+        t0 = time.perf_counter()
+        init_distributed(timeout_s=float(cfg.get("timeout_s", 120)))
+        try:
+            me = {**self.info(), "rank": rank, "local_rank": int(cfg.get("local_rank", 0))}
+            ranks = _gather_objects(me)
+            attempt: int | None = None
+            if rank == 0:
+                cause = f"start in a warm worker group ({cfg.get('group', 'warm')}, job {self.jobs} of this worker)"
+                attempt = ray.get(channel.begin_attempt.remote({"ranks": ranks, "cause": cause}), timeout=60)
+            box: list[Any] = [attempt]
+            dist.broadcast_object_list(box, src=0)
+            attempt = int(box[0])
+            if rank == 0:
+                rows = RowSink(channel, attempt, _publisher(run_id, cfg.get("run_name") or run_id, rank))
+            hooks = channel_hooks(channel, attempt, rank, rows)
+            job = WorkerJob(
+                spec=spec,
+                plan=plan,
+                run_id=run_id,
+                attempt=attempt,
+                checkpoint_dir=str(root / f"rank{rank}"),
+                resume_from=None,
+                state_dir=str(root / "state"),
+                profile_dir=str(root / "profiles"),
+            )
+            summary = train_job(job, hooks) or {}
+        finally:
+            if rows is not None:
+                rows.flush()
+            self._reset()
+            shutil.rmtree(root / f"rank{rank}", ignore_errors=True)
+        if rank == 0:
+            done = {k: v for k, v in summary.items() if k != "losses"}
+            ray.get(channel.done.remote(done), timeout=60)
+        return {"rank": rank, "pid": os.getpid(), "jobs": self.jobs, "wall_s": time.perf_counter() - t0,
+                "losses": summary.get("losses") if rank == 0 else None}  # fmt: skip
+
+    def _reset(self) -> None:
+        """Nothing of this job may reach the next: its process group and every sub-group and mesh, compiled
+        graphs, the job's objects; the default RNG and thread count back to a fresh worker's."""
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+        with contextlib.suppress(Exception):
+            torch._dynamo.reset()
+        for k in ENV_KEYS:
+            os.environ.pop(k, None)
+        gc.collect()
+        torch.manual_seed(0)
+        torch.set_num_threads(self.threads)
+
+    def clean(self) -> dict[str, Any]:
+        """What a fresh worker would say: no process group, nothing left of a job."""
+        return {"process_group": dist.is_initialized(), "env": [k for k in ENV_KEYS if k in os.environ]}
