@@ -137,7 +137,3 @@ class WarmWorker:
         gc.collect()
         torch.manual_seed(0)
         torch.set_num_threads(self.threads)
-
-    def clean(self) -> dict[str, Any]:
-        """What a fresh worker would say: no process group, nothing left of a job."""
-        return {"process_group": dist.is_initialized(), "env": [k for k in ENV_KEYS if k in os.environ]}

@@ -121,7 +121,8 @@ def test_cancel_records_the_sweep_and_its_trials(api, fake_runtime):
 
 
 def test_a_running_trial_shows_its_phase_from_its_runs_status_and_steps(api):
-    """queued -> starting -> warm-up k/w -> measuring k/n (budget: 6 steps, 2 of warm-up), then no phase once ended;
+    """queued -> starting (re-meshing in a warm group) -> warm-up k/w -> measuring k/n (budget: 6 steps, 2 of
+    warm-up), then no phase once ended;
     served by GET /v1/sweeps/{id}, the CLI's table and the console's sweep page."""
     from api.cli.sweeps import _sweep_table
     from api.spec import SweepPublic
@@ -142,6 +143,9 @@ def test_a_running_trial_shows_its_phase_from_its_runs_status_and_steps(api):
     with session_scope(factory) as s:
         store.transition(s, run_id=run_id, to="STARTING", reason="admitted")
     assert phase() == "starting"
+    with session_scope(factory) as s:  # a warm group's trial: its latest phase says it re-meshes the group
+        store.add_phase(s, run_id=run_id, phase="re-meshing warm worker group #1 (2 workers, 3 trial(s) before)")
+    assert phase() == "re-meshing"
     with session_scope(factory) as s:
         store.transition(s, run_id=run_id, to="RUNNING", reason="driver")
         store.start_attempt(s, run_id=run_id, cause="start")
