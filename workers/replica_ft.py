@@ -14,7 +14,8 @@ together by torchft (pinned: ``torchft==0.2.0``), not by one torch process group
   step sees the same samples with the same weights whatever the quorum: the losses are those of the unfaulted run.
   ``batch: shrink`` (torchft's default): replica i trains shard i only, averaged over the participants;
 - when a replica dies, the driver sees its actor die, starts a replacement (``resources.max_failures`` of them,
-  -1 unlimited): it joins the next quorum behind the others and heals from a live peer's in-memory state
+  -1 unlimited; with none left the others go on without it while they are at least ``min_replicas``): it joins
+  the next quorum behind the others and heals from a live peer's in-memory state
   (torchft's checkpoint transport: model, optimizer, LR schedule, step), never from storage. Only when every
   replica is gone does the driver restart them all from the newest checkpoint on storage (a failure too);
 - ``checkpoint.every_steps``: participant 0 writes the state (``torch.save``, atomically) under ``ckpt_dir``; a new
@@ -31,6 +32,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import socket
 import time
 from collections.abc import Callable
@@ -55,7 +57,8 @@ log = logging.getLogger(__name__)
 POLL_S = 0.2
 HEARTBEAT_TIMEOUT_MS = 1500  # a replica silent this long is out of the next quorum (the survivors' detection)
 JOIN_TIMEOUT_MS = 30000  # how long a quorum waits for a replica that heartbeats but has not asked to join
-CKPT_RE = re.compile(r"^step_(\d{8})\.pt$")
+CKPT_RE = re.compile(r"^step_(\d{8})$")
+STATE_FILE = "state.pt"
 
 
 class NoPeerToHeal(RuntimeError):
@@ -80,10 +83,11 @@ def shards_of(participant: int | None, participants: int, dp: int, index: int, m
 
 
 def latest_checkpoint(ckpt_dir: str | None) -> Path | None:
-    """The newest complete replica checkpoint under ``ckpt_dir`` (written by rename: no partial file is listed)."""
+    """The newest complete replica checkpoint under ``ckpt_dir``: a ``step_XXXXXXXX`` directory holding the state
+    (written under another name, then renamed: no partial checkpoint is ever listed)."""
     if not ckpt_dir or not Path(ckpt_dir).is_dir():
         return None
-    found = sorted(p for p in Path(ckpt_dir).iterdir() if CKPT_RE.match(p.name))
+    found = sorted(p for p in Path(ckpt_dir).iterdir() if CKPT_RE.match(p.name) and (p / STATE_FILE).is_file())
     return found[-1] if found else None
 
 
@@ -120,13 +124,14 @@ class ReplicaWorker:
         self.ckpt_dir = ckpt_dir
         self.restored_step = 0
         if from_storage and (path := latest_checkpoint(ckpt_dir)) is not None:
-            state = torch.load(path, map_location=self.device, weights_only=False)
+            state = torch.load(path / STATE_FILE, map_location=self.device, weights_only=False)
             self._load({k: state[k] for k in ("model", "optim", "sched")})
             self.restored_step = int(state["torchft"]["step"])
             self._restored_torchft = state["torchft"]
         state = RankState(rank=index, world_size=plan.dp, run_id="replica", attempt=incarnation)
         self.faults = FaultInjector(spec.faults, rank=index, attempt=incarnation, state=state)
         self.rows: list[dict[str, Any]] = []
+        self.saved: list[tuple[int, str]] = []  # checkpoints written, not yet taken by the driver
         self.lock = Lock()
         self.manager: Any = None
         self.healed_from_peer = False
@@ -187,10 +192,11 @@ class ReplicaWorker:
             "step": self.restored_step,
         }
 
-    def take_rows(self) -> list[dict[str, Any]]:
+    def take_rows(self) -> dict[str, list[Any]]:
+        """The committed steps' rows and the checkpoints written since the last call."""
         with self.lock:
-            rows, self.rows = self.rows, []
-        return rows
+            rows, saved, self.rows, self.saved = self.rows, self.saved, [], []
+        return {"rows": rows, "saved": saved}
 
     # ------------------------------------------------------------------ training
     def run(self, min_step: int = 0) -> dict[str, Any]:
@@ -294,17 +300,22 @@ class ReplicaWorker:
         }
 
     def _save(self, step: int) -> None:
-        """The replica state at ``step`` (tmp file, then rename: a crash never leaves a listed partial file); keeps
-        the newest ``checkpoint.keep``."""
+        """The replica state at ``step`` in ``step_XXXXXXXX/`` (a temporary directory renamed when complete: a
+        crash never leaves a listed partial checkpoint); keeps the newest ``checkpoint.keep``."""
         if not self.ckpt_dir:
             return
         d = Path(self.ckpt_dir)
-        d.mkdir(parents=True, exist_ok=True)
         tmp = d / f".step_{step:08d}.{os.getpid()}.tmp"
-        torch.save({**self._state(), "torchft": self.manager.state_dict()}, tmp)
-        tmp.rename(d / f"step_{step:08d}.pt")
+        tmp.mkdir(parents=True, exist_ok=True)
+        torch.save({**self._state(), "torchft": self.manager.state_dict()}, tmp / STATE_FILE)
+        final = d / f"step_{step:08d}"
+        if final.exists():  # the same step saved before a restore from storage: replace it
+            shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        with self.lock:
+            self.saved.append((step, str(final)))
         for old in sorted(p for p in d.iterdir() if CKPT_RE.match(p.name))[: -self.spec.checkpoint.keep]:
-            old.unlink(missing_ok=True)
+            shutil.rmtree(old, ignore_errors=True)
 
     def shutdown(self) -> None:
         if self.manager is not None:
@@ -336,6 +347,7 @@ def run_replicas(
     worker_options: dict[str, Any] | None = None,
     ckpt_dir: str | None = None,
     on_start: Callable[[list[dict[str, Any]]], None] | None = None,
+    on_checkpoint: Callable[[int, str], None] | None = None,
 ) -> dict[str, Any]:
     """Train ``spec`` as ``dp`` fault-tolerant replicas on the connected Ray cluster; returns the run's summary.
 
@@ -343,7 +355,8 @@ def run_replicas(
     the replacement heals from a peer. ``on_event(kind, text)``: ``replica_lost``, ``replica_rejoined``,
     ``replicas_restored``. The summary's ``replica_recoveries`` has one entry per loss: the step it was lost at,
     detection, restart (a new actor ready) and rejoin (its first committed step) times. ``on_start(ranks)``: once
-    the first replicas are ready, before any row reaches ``sink`` (rank, node_id, pid, host per replica)."""
+    the first replicas are ready, before any row reaches ``sink`` (rank, node_id, pid, host per replica).
+    ``on_checkpoint(step, path)``: each checkpoint written to ``ckpt_dir``, once, after the rows up to its step."""
     ft = spec.fault_tolerance
     n = plan.dp
     spec_json, plan_json = spec.model_dump_json(), plan.model_dump_json()
@@ -364,6 +377,7 @@ def run_replicas(
     recoveries: list[dict[str, Any]] = []
     pending: dict[int, dict[str, Any]] = {}  # replica -> its open recovery (rejoin not yet seen)
     restarts, restores = 0, 0
+    gone: set[int] = set()  # lost replicas without a replacement (max_failures spent)
     budget = spec.resources.max_failures
     t0 = time.time()
 
@@ -382,10 +396,10 @@ def run_replicas(
     def drain() -> None:
         for a in list(actors.values()):
             try:
-                rows = ray.get(a.take_rows.remote(), timeout=30)
+                got = ray.get(a.take_rows.remote(), timeout=30)
             except (RayActorError, GetTimeoutError):
                 continue
-            for row in rows:
+            for row in got["rows"]:
                 s = int(row["step"])
                 if s in seen:
                     continue
@@ -393,17 +407,22 @@ def run_replicas(
                 for rec in list(pending.values()):
                     if rec.get("resume_s") is None and s > rec["lost_step"]:
                         rec["resume_s"] = row["time"] - rec["lost_at"]  # the live replicas commit again
-                    if row["replicas"] >= n and rec["rejoin_s"] is None and s > rec["lost_step"]:
+                    back = int(row.get("replica_mask") or 0) >> rec["replica"] & 1  # it trained this step
+                    if back and rec["rejoin_s"] is None and s > rec["lost_step"]:
                         rec["rejoin_s"] = row["time"] - rec["lost_at"]
                         rec["rejoin_step"] = s
                         pending.pop(rec["replica"], None)
                         emit(
                             "replica_rejoined",
                             f"replica {rec['replica']} rejoined at step {s} ({rec['rejoin_s']:.1f} s after it was "
-                            f"lost; healed from a live peer, not from storage); {n} replicas again",
+                            f"lost; healed from a live peer, not from storage); {row['replicas']} of {n} replicas "
+                            "train",
                         )
                 if sink is not None:
                     sink(row)
+            for step, path in got["saved"]:
+                if on_checkpoint is not None:
+                    on_checkpoint(int(step), str(path))
 
     try:
         infos = launch(list(range(n)), from_storage=True)
@@ -425,33 +444,45 @@ def run_replicas(
                         raise  # the replica's own code failed (a bad model, bad data): not a lost replica
                     lost_at = time.time()
                     step = max(seen, default=0)
-                    if budget != -1 and restarts >= budget:
-                        raise RuntimeError(
-                            f"replica {i} lost at step {step + 1} after {restarts} replacement(s) "
-                            f"(resources.max_failures={budget}): {type(e).__name__}"
-                        ) from e
-                    restarts += 1
-                    incarnation[i] += 1
+                    spent = budget != -1 and restarts >= budget
                     alive = len(running)
-                    rec: dict[str, Any] = {
-                        "replica": i,
-                        "incarnation": incarnation[i],
-                        "lost_step": step,
-                        "lost_at": lost_at,
-                    }
-                    if alive == 0:  # nobody to heal from: every replica from storage
+                    rec: dict[str, Any] = {"replica": i, "lost_step": step, "lost_at": lost_at}
+                    if alive == 0:  # nobody to heal from: every replica from storage (a failure of its own)
+                        if spent:
+                            raise RuntimeError(
+                                f"every replica lost (replica {i} last, at step {step + 1}) after {restarts} "
+                                f"replacement(s) (resources.max_failures={budget}): {type(e).__name__}"
+                            ) from e
+                        restarts += 1
                         restores += 1
-                        ids = [j for j in range(n) if j not in running.values()]
-                        for j in ids:
-                            if j != i:
-                                incarnation[j] += 1
-                        back = launch(ids, from_storage=True)[0]["step"]
+                        for j in range(n):
+                            incarnation[j] += 1
+                        gone.clear()
+                        back = launch(list(range(n)), from_storage=True)[0]["step"]
                         for k in [k for k in seen if k > back]:
                             del seen[k]  # trained again: their new rows replace the old ones
                         pending.clear()
                         where = f"the checkpoint of step {back}" if back else "step 0 (no checkpoint on storage)"
                         emit("replicas_restored", f"every replica lost (replica {i} last); all restart from {where}")
                         continue
+                    if spent:  # no replacement left: the others go on while they are enough for a quorum
+                        gone.add(i)
+                        if alive < ft.min_replicas:
+                            raise RuntimeError(
+                                f"replica {i} lost at step {step + 1}: {alive} left, fewer than "
+                                f"fault_tolerance.min_replicas={ft.min_replicas}, and no replacement left "
+                                f"(resources.max_failures={budget})"
+                            ) from e
+                        emit(
+                            "replica_lost",
+                            f"replica {i} lost at step {step + 1} ({type(e).__name__}); {alive} of {n} replicas go "
+                            f"on without a replacement (resources.max_failures={budget} spent)",
+                        )
+                        recoveries.append({**rec, "rejoin_s": None})
+                        continue
+                    restarts += 1
+                    incarnation[i] += 1
+                    rec["incarnation"] = incarnation[i]
                     emit(
                         "replica_lost",
                         f"replica {i} lost at step {step + 1} ({type(e).__name__}); {alive} of {n} replicas go on; "
@@ -485,5 +516,6 @@ def run_replicas(
             for rec in recoveries
         ],
         "min_replicas_seen": min((r["replicas"] for r in seen.values()), default=None),
+        "replicas_gone": sorted(gone),
         "host": socket.gethostname(),
     }

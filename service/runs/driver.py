@@ -254,6 +254,7 @@ def _run_replicas(spec: RunSpec, plan: Plan, channel: Any, ckpt_dir: str | None)
         on_event=lambda kind, text: channel.event.remote(kind, text),
         ckpt_dir=ckpt_dir,
         on_start=start,
+        on_checkpoint=lambda step, path: channel.checkpoint.remote({"step": step, "path": path}),
     )
     summary.pop("losses", None)
     ray.get(channel.done.remote(summary))

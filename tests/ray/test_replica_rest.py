@@ -35,6 +35,8 @@ def test_replica_run_keeps_training_through_a_killed_replica(live_service) -> No
     assert kinds.count("replica_lost") == 1 and kinds.count("replica_rejoined") == 1, kinds
     lost = next(e["reason"] for e in evs if e["kind"] == "replica_lost")
     assert lost.startswith("replica 1 lost at step 4") and "1 of 2 replicas go on" in lost
+    cks = httpx.get(f"{url}/v1/runs/{run['id']}/checkpoints", timeout=30).json()["items"]
+    assert max(c["step"] for c in cks) == 12  # the replicas' checkpoints are the run's, like any run's
     resp = httpx.get(f"{url}/v1/runs/{run['id']}/goodput", timeout=30)
     assert resp.status_code == 200, resp.text
     g = resp.json()

@@ -116,11 +116,29 @@ def test_shrink_halves_the_batch_while_a_replica_is_out(ray_session) -> None:
 
 def test_a_resumed_run_starts_from_the_newest_checkpoint(ray_session, tmp_path) -> None:
     spec = tiny_spec(dp=2, steps=4, fault_tolerance=_ft(), checkpoint={"every_steps": 2, "keep": 1})
-    first, _, _ = _run(spec, ckpt_dir=str(tmp_path))
-    assert latest_checkpoint(str(tmp_path)).name == "step_00000004.pt"
+    saved: list[tuple[int, str]] = []
+    first, _, _ = _run(spec, ckpt_dir=str(tmp_path), on_checkpoint=lambda s, p: saved.append((s, p)))
+    assert latest_checkpoint(str(tmp_path)).name == "step_00000004"
+    assert [s for s, _ in saved] == [2, 4]  # each reported once (keep 1: only the newest is left on disk)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004"]
     longer = {**spec, "train": {**spec["train"], "steps": 6}}
     ref = run_world(2, [tiny_spec(dp=2, steps=6)])[0]["losses"]
     out, rows, events = _run(longer, ckpt_dir=str(tmp_path))
     assert [r["step"] for r in rows] == [5, 6]
     assert ("replicas_restored" in [k for k, _ in events])
     assert max(abs(a - b) for a, b in zip(out["losses"], ref[4:])) < FP32_TOL
+
+
+def test_without_replacements_the_others_go_on(ray_session) -> None:
+    """max_failures 0: a lost replica is not replaced; the other trains every remaining step alone (keep: the whole
+    batch, so the losses are still the unfaulted run's)."""
+    steps = 8
+    ref = run_world(2, [tiny_spec(dp=2, steps=steps)])[0]["losses"]
+    spec = tiny_spec(dp=2, steps=steps, fault_tolerance=_ft(), faults={"kill_rank": {"rank": 1, "at_step": 3}})
+    out, rows, events = _run(spec)
+    by = sorted(rows, key=lambda r: r["step"])
+    assert [r["step"] for r in by] == list(range(1, steps + 1))
+    assert [r["replicas"] for r in by[3:]] == [1] * (steps - 3)
+    assert max(abs(a - b) for a, b in zip(out["losses"], ref)) < FP32_TOL
+    assert out["replicas_gone"] == [1] and out["replica_restarts"] == 0
+    assert "without a replacement (resources.max_failures=0 spent)" in dict(events)["replica_lost"]

@@ -72,3 +72,21 @@ def test_a_sweep_runs_its_trials_in_one_warm_worker_group(live_service) -> None:
     ranked = sorted(cold["trials"], key=lambda t: -t["measured_tokens_per_s"])
     if ranked[0]["measured_tokens_per_s"] > 1.25 * ranked[1]["measured_tokens_per_s"]:
         assert _key(warm["best_trial"]) == _key(cold["best_trial"])
+
+
+def test_a_crashed_trial_costs_only_itself_and_its_group_is_rebuilt(live_service) -> None:
+    """Rank 1 of every trial is SIGKILLed at step 2 (``faults.kill_rank``): each trial FAILS with the lost worker as
+    its reason, its warm group is killed, and the next trial starts a new group and runs (2 trials, 2 starts)."""
+    url = live_service.url
+    body = sweep_body("warm-crash", [{"dp": 2}, {"tp": 2}], [2], max_trials=2, steps=6, early_stopping=False)
+    body["base"]["faults"] = {"kill_rank": {"rank": 1, "at_step": 2}}
+    r = httpx.post(f"{url}/v1/sweeps", json=body, timeout=60)
+    assert r.status_code == 201, r.text
+    done = wait_sweep(url, r.json()["id"], timeout_s=400)
+    assert [t["status"] for t in done["trials"]] == ["FAILED", "FAILED"], done["trials"]
+    for t in done["trials"]:
+        assert t["reason"] and ("died" in t["reason"].lower() or "actor" in t["reason"].lower()), t["reason"]
+        assert [row["step"] for row in metrics(url, t["run_id"])] in ([], [1])  # the kill came before step 2
+    evs = httpx.get(f"{url}/v1/sweeps/{done['id']}/events", timeout=30).json()["items"]
+    started = [e["reason"] for e in evs if e["kind"] == "worker_group" and " started: " in e["reason"]]
+    assert [s.split(":")[0] for s in started] == ["warm worker group #1 started", "warm worker group #2 started"]
