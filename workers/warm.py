@@ -3,8 +3,8 @@
 A ``WarmWorker`` is a Ray actor that has imported torch and the engine once. ``train(cfg)`` runs one job (a sweep
 trial) on it as rank ``cfg["rank"]`` of ``cfg["world_size"]``:
 
-1. a new default process group for this job only (``MASTER_ADDR``/``MASTER_PORT`` from rank 0's ``endpoint()``,
-   a fresh port per job; gloo on CPU), so no communicator of an earlier job is reused;
+1. a new default process group for this job only, on a new TCP store that rank 0 serves (``endpoint()``, a fresh
+   port per job; gloo on CPU), so no communicator or store key of an earlier job is reused;
 2. the attempt registered with the job's run channel (rank -> node map, pids), as a Ray Train worker would;
 3. ``workers.loop.train_job`` with the run channel's hooks (rows, heartbeats, stragglers, profiles, stop);
 4. whatever happens: the process group destroyed (every sub-group and device mesh with it), compiled graphs
@@ -25,9 +25,9 @@ import gc
 import logging
 import os
 import shutil
-import socket
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +43,15 @@ ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "L
 @ray.remote(num_cpus=0)
 class WarmWorker:
     def __init__(self, threads: int = 1) -> None:
-        import workers.loop  # noqa: F401  (the engine, imported once per process: this is the warm part)
+        # the engine and the run channel's hooks (with ray.train), imported once per process: the warm part
+        import workers.loop
+        import workers.ray_worker  # noqa: F401
 
         self.threads = max(1, int(threads))
         torch.set_num_threads(self.threads)
         self.jobs = 0
         self.started = time.time()
+        self.store: Any = None  # rank 0: the next job's rendezvous (``endpoint``)
 
     def info(self) -> dict[str, Any]:
         return {
@@ -58,18 +61,18 @@ class WarmWorker:
             "jobs": self.jobs,
         }
 
-    def endpoint(self) -> tuple[str, int]:
-        """Rank 0's rendezvous for the next job: this node's IP and a port free now."""
+    def endpoint(self, world_size: int) -> tuple[str, int]:
+        """Rank 0's rendezvous for the next job: a new TCP store served from this worker (listening before any
+        other rank connects, so none of them waits in a connect retry), its IP and port."""
         ip = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((ip, 0))
-            return ip, int(s.getsockname()[1])
+        self.store = dist.TCPStore(ip, 0, world_size, is_master=True, wait_for_workers=False)
+        return ip, int(self.store.port)
 
     def train(self, cfg: dict[str, Any]) -> dict[str, Any]:
         """One job as ``cfg["rank"]``; returns this worker's part of the result (rank 0: the summary)."""
         from api.spec import Plan, RunSpec
         from workers.engine import WorkerJob
-        from workers.loop import init_distributed, train_job
+        from workers.loop import train_job
         from workers.ray_worker import RowSink, _gather_objects, _publisher, channel_hooks
 
         rank, world = int(cfg["rank"]), int(cfg["world_size"])
@@ -88,7 +91,12 @@ class WarmWorker:
         rows: RowSink | None = None
         summary: dict[str, Any] = {}
         t0 = time.perf_counter()
-        init_distributed(timeout_s=float(cfg.get("timeout_s", 120)))
+        timeout = timedelta(seconds=float(cfg.get("timeout_s", 120)))
+        store = self.store if rank == 0 else None
+        if store is None:
+            store = dist.TCPStore(str(cfg["master_addr"]), int(cfg["master_port"]), world, is_master=False)
+        dist.init_process_group(backend=None, store=store, rank=rank, world_size=world, timeout=timeout)
+        self.store = None  # this job's store: nothing of it serves the next one
         try:
             me = {**self.info(), "rank": rank, "local_rank": int(cfg.get("local_rank", 0))}
             ranks = _gather_objects(me)

@@ -373,7 +373,7 @@ def run_sweep(settings: Settings, sweep_id: str) -> str:
             mode="max",
             max_concurrent_trials=create.budget.max_concurrent_trials,
             scheduler=stopper,
-            reuse_actors=False,
+            reuse_actors=True,  # one trial actor for the trials that follow: no new process and imports per trial
         ),
         run_config=tune.RunConfig(
             name=f"{sweep_id}-{int(time.time())}",

@@ -149,7 +149,7 @@ def warm_fit(
         gid, workers, jobs, new = got
         if on_group is not None:
             on_group(gid, jobs, new)
-        addr, port = ray.get(workers[0].endpoint.remote(), timeout=60)
+        addr, port = ray.get(workers[0].endpoint.remote(plan.world_size), timeout=60)
         per_node: dict[str, int] = {}
         refs = []
         for rank, (w, node) in enumerate(zip(workers, nodes)):
