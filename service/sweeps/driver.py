@@ -214,10 +214,10 @@ def run_trial(config: dict[str, Any]) -> None:
     box: dict[str, Any] = {}
     t0 = time.time()
     with life.channel(first_attempt=1) as channel:
-        life.phase(placing_phase(tr.plan))
-
         cancel = threading.Event()
         warm = bool(config.get("warm")) and usable(tr.plan)
+        if not warm:  # a warm trial says which group it re-meshes (``_warm_fit``)
+            life.phase(placing_phase(tr.plan))
 
         def fit() -> None:
             try:
