@@ -8,8 +8,10 @@ the Train V2 pattern (a trial reserves only its driver; Train makes its own plac
   trial IS a run: ``service.sweeps.trials.prepare_trial_run`` creates its ``runs`` row (``sweep_id`` set), QUEUED
   in the scheduler's queue like any run (``wait_for_admission``); admitted, the run goes through the run lifecycle
   of every run (``service.runs.lifecycle``: RUNNING, its channel drained into attempts, events and per-step
-  metrics, its end) with a stoppable ``TorchTrainer`` (``service.runs.trainer``) whose workers must start within
-  Ray Train's worker-group start timeout (60 s) or the trial fails with that reason (no endless retry);
+  metrics, its end). With ``budget.warm_workers`` (CPU trials) it trains on a warm worker group of the sweep's pool
+  (``service.sweeps.warm``: one worker start per sweep and shape, re-meshed in place per trial; Tune reuses its
+  trial actor too); otherwise with a stoppable ``TorchTrainer`` (``service.runs.trainer``) whose workers must start
+  within Ray Train's worker-group start timeout (60 s) or the trial fails with that reason (no endless retry);
 - concurrency is bounded by ``TuneConfig(max_concurrent_trials=budget.max_concurrent_trials)``;
 - ``run_trial`` reports the running mean of the objective over the post-warm-up steps to Tune (every report
   carries the metric ``objective``); ``SlowTrialStopper`` (``service.sweeps.stopping``) stops a trial that, after
