@@ -378,6 +378,7 @@ def run_replicas(
     pending: dict[int, dict[str, Any]] = {}  # replica -> its open recovery (rejoin not yet seen)
     restarts, restores = 0, 0
     gone: set[int] = set()  # lost replicas without a replacement (max_failures spent)
+    raised_at: int | None = None  # the last committed step when a replica last raised (not died)
     budget = spec.resources.max_failures
     t0 = time.time()
 
@@ -441,7 +442,14 @@ def run_replicas(
                     continue
                 except (RayActorError, RayTaskError) as e:
                     if isinstance(e, RayTaskError) and not isinstance(e.cause, NoPeerToHeal):
-                        raise  # the replica's own code failed (a bad model, bad data): not a lost replica
+                        # a replica that raised (a torchft RPC that timed out under load, a peer lost mid-heal) is
+                        # lost like one that died, unless no step was committed since the last one raised: the same
+                        # error again is the replica's own code (a bad model, bad data), which no replacement fixes
+                        if raised_at == max(seen, default=0):
+                            raise
+                        raised_at = max(seen, default=0)
+                        with contextlib.suppress(Exception):
+                            ray.kill(actors[i])
                     lost_at = time.time()
                     step = max(seen, default=0)
                     spent = budget != -1 and restarts >= budget
