@@ -307,6 +307,23 @@ def ray_cluster() -> Iterator[RayTestCluster]:
         cluster.stop()
 
 
+@pytest.fixture(scope="module")
+def ray_session(ray_cluster: RayTestCluster) -> Iterator[None]:
+    """This test process as a Ray driver on the session's cluster (the repository on the workers' path), for tests
+    that start Ray actors themselves (async_ps, replica mode)."""
+    import ray
+
+    ray.init(
+        address=ray_cluster.address,
+        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}},
+        logging_level="WARNING",
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
 # --------------------------------------------------------------------------------------------- service
 @dataclass
 class LiveService:

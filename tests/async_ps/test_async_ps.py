@@ -12,8 +12,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import ray
 import torch
@@ -26,21 +24,7 @@ from workers.async_ps import run_async_ps
 from workers.ps import ParameterServer
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 FP32_TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def ray_session(ray_cluster):
-    ray.init(
-        address=ray_cluster.address,
-        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}},
-        logging_level="WARNING",
-    )
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def _run(spec_d: dict, **kw: object) -> tuple[dict, list[dict]]:

@@ -12,10 +12,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-import ray
 
 from api.spec import RunSpec
 from api.spec.validation import build_plan
@@ -23,7 +20,6 @@ from tests.workers.dist_utils import run_world, tiny_spec
 from workers.replica_ft import latest_checkpoint, run_replicas, shards_of
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 FP32_TOL = 2e-5
 
 
@@ -34,19 +30,6 @@ def test_shards_cover_the_batch_whatever_the_quorum() -> None:
             assert got == list(range(dp))
     assert shards_of(None, 2, 4, 1, "keep") == []
     assert shards_of(0, 1, 4, 3, "shrink") == [3]
-
-
-@pytest.fixture(scope="module")
-def ray_session(ray_cluster):
-    ray.init(
-        address=ray_cluster.address,
-        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}},
-        logging_level="WARNING",
-    )
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def _run(spec_d: dict, **kw: object) -> tuple[dict, list[dict], list[tuple[str, str]]]:
