@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 POLL_S = 0.2
 HEARTBEAT_TIMEOUT_MS = 1500  # a replica silent this long is out of the next quorum (the survivors' detection)
 JOIN_TIMEOUT_MS = 30000  # how long a quorum waits for a replica that heartbeats but has not asked to join
+FINISH_GRACE_S = 120.0  # how long the last step's other participants get to return (a checkpoint to write)
 CKPT_RE = re.compile(r"^step_(\d{8})$")
 STATE_FILE = "state.pt"
 
@@ -338,6 +339,17 @@ def _lighthouse(min_replicas: int) -> tuple[Any, str]:
     return server, f"http://{ip}:{port}"
 
 
+def _finish(running: dict[Any, int], last: dict[str, Any]) -> None:
+    """Every step is committed: wait (``FINISH_GRACE_S``) for the replicas that trained the last step, which return
+    once their checkpoint is written, and drop the others. Those are replacements still joining, which would wait
+    for a quorum that never comes: the finished replicas' Managers still heartbeat until they are killed."""
+    mask = int(last.get("replica_mask") or 0)
+    wait = [ref for ref, i in running.items() if mask >> i & 1]
+    if wait:
+        ray.wait(wait, num_returns=len(wait), timeout=FINISH_GRACE_S)
+    running.clear()
+
+
 def run_replicas(
     spec: RunSpec,
     plan: Plan,
@@ -441,6 +453,8 @@ def run_replicas(
                     ray.get(ref)
                     continue
                 except (RayActorError, RayTaskError) as e:
+                    if max(seen, default=0) >= spec.train.steps:
+                        continue  # every step is committed: what a replica does after that loses nothing
                     if isinstance(e, RayTaskError) and not isinstance(e.cause, NoPeerToHeal):
                         # a replica that raised (a torchft RPC that timed out under load, a peer lost mid-heal) is
                         # lost like one that died, unless no step was committed since the last one raised: the same
@@ -505,6 +519,8 @@ def run_replicas(
                     rec.update(detect_s=t_start - lost_at, restart_s=time.time() - t_start, rejoin_s=None)
                     recoveries.append(rec)
                     pending[i] = rec
+            if max(seen, default=0) >= spec.train.steps and running:
+                _finish(running, seen[max(seen)])
         drain()
     finally:
         for a in actors.values():
