@@ -293,7 +293,13 @@ def step_time(c: Ctx, lay: ResolvedLayout, mb: int, recompute: str) -> Time:
             bandwidth_efficiency=fac.pp_bandwidth_efficiency,
             latency_scale=fac.pp_latency_scale,
         )
-        p2p_s = comm.p2p(mb * sh.s * sh.h * c.act_bytes / (t if lay.sequence_parallel else 1), ln)
+        act = mb * sh.s * sh.h * c.act_bytes  # one stage's output (the whole activation)
+        if lay.sequence_parallel:  # already sharded over the t ranks: each sends its shard
+            p2p_s = comm.p2p(act / t, ln)
+        elif t > 1 and c.prof.pp_scatter_gather:  # each sends 1/t; the next stage all-gathers it (profiles.py)
+            p2p_s = comm.p2p(act / t, ln) + comm.all_gather(act, t, env.tp_link(t))
+        else:
+            p2p_s = comm.p2p(act, ln)
     total_pipe, bubble, b = pipeline_step(
         fwd, bwd, wgt, microbatches=m, schedule=lay.pp_schedule, virtual_stages=v, p2p_s=p2p_s
     )

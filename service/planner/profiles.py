@@ -71,6 +71,14 @@ Each term, its default and the source of the figure:
   3 fp32 passes forward, 2 of 4 + 2 bytes backward (12 / 12); meshrun's ``F.cross_entropy`` on bf16 logits casts
   them to fp32 (2 + 4), log-softmaxes (4 + 4) and gathers (4) forward, and backward writes the one-hot gradient
   (4), runs log-softmax's backward (4 + 4 + 4) and casts back (4 + 2): 14 / 22.
+``pp_scatter_gather``: a pipeline stage sends its output split over its ``t`` tensor-parallel ranks (each sends
+  ``1/t`` over its own NIC) and the next stage all-gathers it over NVLink; without it every tensor-parallel rank sends
+  the whole, replicated activation. Megatron-LM's scatter/gather optimisation (Narayanan et al. SC21, section 4.1:
+  "reduces the communication between pipeline stages by a factor of t") and DeepSpeed's pipeline engine (partitioned
+  activations when model-parallel, Megatron-DeepSpeed's runs): on. meshrun's pipeline (``torch.distributed
+  .pipelining``) sends each rank's whole activation: off (with sequence parallelism it is sharded anyway). With it
+  on, Korthikanti et al.'s pipelined full-recompute rows (175B / 530B / 1T, pipeline stages across nodes) moved from
+  +6.1 / +12.5 / +9.5 % to +4.8 / +8.8 / +5.2 %; BigScience's (DeepSpeed) rows, too fast before, from 9.0 to 12.9 %.
 ``microbatch_overhead_s``: host time per micro-batch (the loss, the autocast context, the schedule's Python):
   0 / 0.3 ms (assumed: 25 launches' worth of Python at the measured 11 us per launch).
 """
@@ -102,6 +110,7 @@ class KernelProfile:
     recompute_host_scale: float = 1.0
     fp32_stream: bool = False
     loss_bytes: tuple[float, float] = (12, 12)
+    pp_scatter_gather: bool = False
 
 
 MEGATRON = KernelProfile(
@@ -116,6 +125,7 @@ MEGATRON = KernelProfile(
     optimizer_launches=20,
     step_overhead_s=0.0,
     microbatch_overhead_s=0.0,
+    pp_scatter_gather=True,
 )
 
 EAGER = KernelProfile(

@@ -102,8 +102,11 @@ def test_intervals_rest_on_their_basis_and_widen_outside_it():
     # megatron on one GPU: below the published Megatron runs' 1.7B parameters and half a decade of devices below 8
     b, a, _ = U.bounds("megatron", is_cpu=False, n_params=1.4e9, world=1)
     w = 1 + math.log10(1.7e9 / 1.4e9) + math.log10(8) / 2  # 1.536
-    assert b == pytest.approx(0.055 * w) and a == pytest.approx(0.123 * w)  # 0.084 / 0.189: under the cap
-    assert U.bounds("megatron", is_cpu=False, n_params=1.25e8, world=1)[1] == U.MAX_HALF_WIDTH  # 0.123 x 2.58
+    assert b == pytest.approx(0.051 * w) and a == U.MAX_HALF_WIDTH  # 0.078 below; above 0.181 x 1.536 is capped
+    b, a, _ = U.bounds("megatron", is_cpu=False, n_params=1.4e9, world=4)
+    w = 1 + math.log10(1.7e9 / 1.4e9) + math.log10(8 / 4) / 2  # 1.235
+    assert b == pytest.approx(0.051 * w) and a == pytest.approx(0.181 * w)  # 0.063 / 0.224: under the cap
+    assert U.bounds("megatron", is_cpu=False, n_params=1.25e8, world=1)[1] == U.MAX_HALF_WIDTH  # 0.181 x 2.58
     assert U.bounds("eager", is_cpu=True, n_params=1e6, world=4)[:2] == (0.2, 0.2)
 
 
