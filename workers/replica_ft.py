@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 POLL_S = 0.2
 HEARTBEAT_TIMEOUT_MS = 1500  # a replica silent this long is out of the next quorum (the survivors' detection)
 JOIN_TIMEOUT_MS = 30000  # how long a quorum waits for a replica that heartbeats but has not asked to join
+COLLECTIVE_TIMEOUT_S = 60.0  # an all-reduce waiting this long on a silent peer fails the step (not the replica)
+HUNG_STEPS = 2  # a live replica missing from this many committed steps in a row is hung: killed and replaced
 FINISH_GRACE_S = 120.0  # how long the last step's other participants get to return (a checkpoint to write)
 CKPT_RE = re.compile(r"^step_(\d{8})$")
 STATE_FILE = "state.pt"
@@ -162,7 +164,7 @@ class ReplicaWorker:
 
         ip = _node_ip()
         self.store = torch.distributed.TCPStore(host_name=ip, port=0, is_master=True, wait_for_workers=False)
-        timeout = timedelta(seconds=60)
+        timeout = timedelta(seconds=_timeouts(self.spec)[0])
         pg = ProcessGroupNCCL(timeout=timeout) if self.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
             pg=pg,
@@ -323,7 +325,16 @@ class ReplicaWorker:
             self.manager.shutdown(wait=False)
 
 
-def _lighthouse(min_replicas: int) -> tuple[Any, str]:
+def _timeouts(spec: RunSpec) -> tuple[float, int]:
+    """(collective timeout in s, the lighthouse's join timeout in ms): ``resources.hang_timeout_s`` bounds both (a
+    hung replica stalls its peers' all-reduce, then every quorum, for at most that long each), else 60 s / 30 s."""
+    hang = spec.resources.hang_timeout_s
+    if hang is None:
+        return COLLECTIVE_TIMEOUT_S, JOIN_TIMEOUT_MS
+    return min(COLLECTIVE_TIMEOUT_S, hang), min(JOIN_TIMEOUT_MS, int(hang * 1000))
+
+
+def _lighthouse(min_replicas: int, join_timeout_ms: int = JOIN_TIMEOUT_MS) -> tuple[Any, str]:
     """torchft's lighthouse in this process, on this node's IP (the replicas may run on other nodes)."""
     from torchft.coordination import LighthouseServer
 
@@ -332,7 +343,7 @@ def _lighthouse(min_replicas: int) -> tuple[Any, str]:
     server = LighthouseServer(
         bind=f"{ip}:0",
         min_replicas=min_replicas,
-        join_timeout_ms=JOIN_TIMEOUT_MS,
+        join_timeout_ms=join_timeout_ms,
         heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
     )
     port = server.address().rsplit(":", 1)[1]
@@ -381,7 +392,7 @@ def run_replicas(
         opts["num_gpus"] = 1
     opts.update(worker_options or {})
     emit = on_event or (lambda kind, text: None)
-    server, address = _lighthouse(ft.min_replicas)
+    server, address = _lighthouse(ft.min_replicas, _timeouts(spec)[1])
     incarnation = dict.fromkeys(range(n), 1)
     actors: dict[int, Any] = {}
     running: dict[Any, int] = {}
@@ -394,7 +405,12 @@ def run_replicas(
     budget = spec.resources.max_failures
     t0 = time.time()
 
+    started: dict[int, int] = {}  # replica -> the last committed step when its current actor started
+    hung: set[int] = set()  # replicas killed as hung, until their replacement starts
+
     def start(i: int, from_storage: bool) -> Any:
+        started[i] = max(seen, default=0)
+        hung.discard(i)
         a = ReplicaWorker.options(**opts).remote(i, incarnation[i], spec_json, plan_json, ckpt_dir, from_storage)  # type: ignore[attr-defined]
         actors[i] = a
         return a
@@ -437,6 +453,26 @@ def run_replicas(
                 if on_checkpoint is not None:
                     on_checkpoint(int(step), str(path))
 
+    def kill_hung() -> None:
+        """A live replica missing from the last ``HUNG_STEPS`` committed steps, started before them and not a
+        replacement still joining, makes no progress (a hung process still heartbeats, so torchft keeps waiting
+        for it at every quorum): kill it; its run then ends as a lost replica's and is replaced."""
+        last = sorted(seen)[-HUNG_STEPS:]
+        if len(last) < HUNG_STEPS:
+            return
+        for i in list(running.values()):
+            if i in pending or i in hung or started[i] >= last[0]:
+                continue
+            if not any(int(seen[k].get("replica_mask") or 0) >> i & 1 for k in last):
+                hung.add(i)
+                emit(
+                    "replica_hung",
+                    f"replica {i} trained none of steps {last[0]}-{last[-1]} while alive: hung; it is killed and "
+                    "replaced",
+                )
+                with contextlib.suppress(Exception):
+                    ray.kill(actors[i])
+
     try:
         infos = launch(list(range(n)), from_storage=True)
         if on_start is not None:
@@ -447,6 +483,7 @@ def run_replicas(
         while running:
             done, _ = ray.wait(list(running), num_returns=1, timeout=POLL_S)
             drain()
+            kill_hung()
             for ref in done:
                 i = running.pop(ref)
                 try:

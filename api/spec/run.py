@@ -316,7 +316,9 @@ class ResourcesSpec(_Spec):
         le=7 * 86400,
         description="No step completed for this long on any rank = a hang: every rank's stack is dumped, the attempt "
         "fails with where each rank is stuck, and max_failures decides whether it restarts from the latest "
-        "checkpoint. Null: max(300 s, 20 x the slowest measured step). Counted from the attempt's first step.",
+        "checkpoint. Null: max(300 s, 20 x the slowest measured step). Counted from the attempt's first step. "
+        "fault_tolerance.mode replica: how long the live replicas wait for a silent one (their all-reduce, then each "
+        "quorum) before going on without it, which is then killed and replaced as hung (null: 60 s / 30 s).",
     )
     priority: int = Field(0, ge=-1000, le=1000, description="Higher runs first; FIFO within a priority.")
 
@@ -353,7 +355,8 @@ class FaultToleranceSpec(_Spec):
     latest checkpoint (``resources.max_failures`` restarts). ``replica``: each data-parallel replica is its own Ray
     actor coordinated by torchft (a lighthouse in the driver, a quorum per step); when one dies the others keep
     stepping, it is restarted alone (``resources.max_failures`` replacements, -1 unlimited) and heals from a live
-    peer's in-memory state, not from storage, then rejoins at a step boundary. Layouts: plain data parallel (dp >= 2,
+    peer's in-memory state, not from storage, then rejoins at a step boundary; a hung replica (alive, not stepping)
+    is killed and replaced the same way (``resources.hang_timeout_s``). Layouts: plain data parallel (dp >= 2,
     tp 1, pp 1, zero_stage 0); docs/fault-tolerance.md."""
 
     mode: Literal["group", "replica"] = Field(

@@ -394,12 +394,6 @@ def _check_fault_tolerance(spec: RunSpec, chk: SpecCheck) -> None:
             "fault_tolerance.min_replicas",
             f"min_replicas={ft.min_replicas} > dp={lay.dp}: no step could commit; use 1..{lay.dp}",
         )
-    if spec.faults is not None and spec.faults.hang_rank is not None:
-        chk.error(
-            "faults.hang_rank",
-            "fault_tolerance.mode replica detects dead replicas, not hung ones: use kill_rank",
-            "unsupported_layout",
-        )
 
 
 def _check_sync(spec: RunSpec, chk: SpecCheck) -> None:

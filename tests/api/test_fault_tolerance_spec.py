@@ -22,6 +22,14 @@ def test_default_is_group_and_replica_mode_is_stored(client) -> None:
     assert r.json()["spec"]["fault_tolerance"]["mode"] == "replica"
     run = client.get(f"/v1/runs/{r.json()['id']}").json()
     assert run["spec"]["fault_tolerance"] == {"mode": "replica", "min_replicas": 1, "batch": "shrink"}
+    hung = {
+        **_spec({"mode": "replica"}),
+        "faults": {"hang_rank": {"rank": 1, "at_step": 3}},
+        "resources": {"hang_timeout_s": 5},
+    }
+    r = client.post("/v1/runs", json=hung)  # a hung replica is detected and replaced in replica mode too
+    assert r.status_code == 201, r.text
+    assert r.json()["spec"]["resources"]["hang_timeout_s"] == 5
 
 
 @pytest.mark.parametrize(

@@ -151,3 +151,29 @@ def test_a_replacement_still_joining_when_the_last_step_commits_is_no_loss(ray_s
     assert max(abs(a - b) for a, b in zip(out["losses"], ddp_losses[:steps])) < FP32_TOL
     assert out["replica_restarts"] == 1 and out["replica_restores"] == 0
     assert [k for k, _ in events].count("replica_lost") == 1, events
+
+
+def test_a_hung_replica_is_killed_and_replaced(ray_session, ddp_losses) -> None:
+    """``faults.hang_rank``: replica 1 blocks forever in step 3 but its process lives and heartbeats. With
+    ``resources.hang_timeout_s`` 3 the survivor's all-reduce gives up after 3 s and each quorum waits at most 3 s for
+    it; after two steps committed without it the driver kills it as hung, and the replacement heals and rejoins.
+    ``batch: keep``: the losses are still the unfaulted run's."""
+    steps = 10
+    spec = tiny_spec(
+        dp=2,
+        steps=steps,
+        fault_tolerance=_ft(),
+        faults={"hang_rank": {"rank": 1, "at_step": 3}, "slow_rank": {"rank": 0, "delay_s": 0.3}},
+        resources={"max_failures": 1, "hang_timeout_s": 3},
+    )
+    out, rows, events = _run(spec)
+    by = sorted(rows, key=lambda r: r["step"])
+    assert [r["step"] for r in by] == list(range(1, steps + 1))
+    masks = [r["replica_mask"] for r in by]
+    assert masks[:2] == [3, 3] and masks[2:4] == [1, 1] and masks[-1] == 3, masks  # out from step 3, then back
+    assert max(abs(a - b) for a, b in zip(out["losses"], ddp_losses)) < FP32_TOL
+    kinds = [k for k, _ in events]
+    assert kinds.count("replica_hung") == 1 and "replica 1 trained none of steps 3-4" in dict(events)["replica_hung"]
+    assert kinds.index("replica_hung") < kinds.index("replica_lost") < kinds.index("replica_rejoined"), events
+    assert out["replica_restarts"] == 1 and out["replica_restores"] == 0
+    assert by[2].get("recovery_s", 0) >= 3  # the survivor's stall: the failed all-reduce, then the quorum's wait
