@@ -58,7 +58,7 @@ POLL_S = 0.2
 HEARTBEAT_TIMEOUT_MS = 1500  # a replica silent this long is out of the next quorum (the survivors' detection)
 JOIN_TIMEOUT_MS = 30000  # how long a quorum waits for a replica that heartbeats but has not asked to join
 COLLECTIVE_TIMEOUT_S = 60.0  # an all-reduce waiting this long on a silent peer fails the step (not the replica)
-HUNG_STEPS = 2  # a live replica missing from this many committed steps in a row is hung: killed and replaced
+WAITING = frozenset({"quorum", "allreduce", "commit"})  # phases that wait on the peers (or the lighthouse)
 FINISH_GRACE_S = 120.0  # how long the last step's other participants get to return (a checkpoint to write)
 CKPT_RE = re.compile(r"^step_(\d{8})$")
 STATE_FILE = "state.pt"
@@ -139,6 +139,10 @@ class ReplicaWorker:
         self.manager: Any = None
         self.healed_from_peer = False
         self.rejoining = incarnation > 1 and not from_storage  # a replacement: its first step waits for its heal
+        self.phase, self.phase_t = "start", time.monotonic()  # where run() is, and since when (``take_rows``)
+
+    def _enter(self, phase: str) -> None:
+        self.phase, self.phase_t = phase, time.monotonic()
 
     # ------------------------------------------------------------------ state shared with peers
     def _state(self) -> dict[str, Any]:
@@ -195,11 +199,12 @@ class ReplicaWorker:
             "step": self.restored_step,
         }
 
-    def take_rows(self) -> dict[str, list[Any]]:
-        """The committed steps' rows and the checkpoints written since the last call."""
+    def take_rows(self) -> dict[str, Any]:
+        """The committed steps' rows and the checkpoints written since the last call, and the phase ``run()`` is in
+        (``quorum``, ``compute``, ``allreduce``, ``commit``, ``save``) with how long it has been there."""
         with self.lock:
             rows, saved, self.rows, self.saved = self.rows, self.saved, [], []
-        return {"rows": rows, "saved": saved}
+        return {"rows": rows, "saved": saved, "phase": self.phase, "phase_s": time.monotonic() - self.phase_t}
 
     # ------------------------------------------------------------------ training
     def run(self, min_step: int = 0) -> dict[str, Any]:
@@ -221,6 +226,7 @@ class ReplicaWorker:
         while mgr.current_step() < spec.train.steps:
             t0 = time.perf_counter()
             self.faults.before_step(mgr.current_step() + 1)
+            self._enter("quorum")
             mgr.start_quorum()
             tq = time.perf_counter()
             step = mgr.current_step() + 1  # after a heal: the peers' step
@@ -230,6 +236,7 @@ class ReplicaWorker:
             q, r = mgr.num_participants(), mgr.participating_rank()
             mine = shards_of(r, q, plan.dp, self.index, ft.batch)
             weight = q / plan.dp if ft.batch == "keep" else 1.0
+            self._enter("compute")
             self.faults.in_compute(step)
             loss = torch.zeros((), device=self.device)
             for s in mine:
@@ -245,7 +252,9 @@ class ReplicaWorker:
             me = torch.zeros(plan.dp, device=self.device)  # who trained this step (a one-hot, summed below)
             me[self.index] = 1.0 if r is not None else 0.0
             flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss.reshape(1), me])
+            self._enter("allreduce")
             mgr.allreduce(flat).wait()
+            self._enter("compute")
             who = (flat[-plan.dp :] * max(q, 1)).round().tolist()
             mask = sum(1 << i for i, v in enumerate(who) if v > 0)
             flat = flat[: -plan.dp]
@@ -260,7 +269,10 @@ class ReplicaWorker:
                 else torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
             )
             lr = self.optimizer.param_groups[0]["lr"]
-            if mgr.should_commit():
+            self._enter("commit")
+            committed = mgr.should_commit()
+            self._enter("compute")
+            if committed:
                 self.optimizer.step()
                 self.scheduler.step()
                 # a quorum that lost a replica (or failed tries) or gained one: its wait is recovery, not step time
@@ -289,6 +301,7 @@ class ReplicaWorker:
                 with self.lock:
                     self.rows.append(row)
                 if r == 0 and spec.checkpoint.every_steps and step % spec.checkpoint.every_steps == 0:
+                    self._enter("save")
                     self._save(step)
             else:
                 failed_steps += 1
@@ -332,6 +345,14 @@ def _timeouts(spec: RunSpec) -> tuple[float, int]:
     if hang is None:
         return COLLECTIVE_TIMEOUT_S, JOIN_TIMEOUT_MS
     return min(COLLECTIVE_TIMEOUT_S, hang), min(JOIN_TIMEOUT_MS, int(hang * 1000))
+
+
+def _hang_limit(spec: RunSpec, slowest_step_s: float) -> float:
+    """Seconds a replica may stay in a phase of its own: ``resources.hang_timeout_s``, else as a group-mode run's
+    hang watch, max(300 s, 20 x the slowest committed step)."""
+    if spec.resources.hang_timeout_s is not None:
+        return float(spec.resources.hang_timeout_s)
+    return max(300.0, 20 * slowest_step_s)
 
 
 def _lighthouse(min_replicas: int, join_timeout_ms: int = JOIN_TIMEOUT_MS) -> tuple[Any, str]:
@@ -405,11 +426,12 @@ def run_replicas(
     budget = spec.resources.max_failures
     t0 = time.time()
 
-    started: dict[int, int] = {}  # replica -> the last committed step when its current actor started
+    slowest = [0.0]  # the slowest committed step's step_time_s
+    phases: dict[int, tuple[str, float]] = {}  # replica -> (phase, seconds in it), from its last take_rows
     hung: set[int] = set()  # replicas killed as hung, until their replacement starts
 
     def start(i: int, from_storage: bool) -> Any:
-        started[i] = max(seen, default=0)
+        phases.pop(i, None)
         hung.discard(i)
         a = ReplicaWorker.options(**opts).remote(i, incarnation[i], spec_json, plan_json, ckpt_dir, from_storage)  # type: ignore[attr-defined]
         actors[i] = a
@@ -423,16 +445,18 @@ def run_replicas(
         return infos
 
     def drain() -> None:
-        for a in list(actors.values()):
+        for i, a in list(actors.items()):
             try:
                 got = ray.get(a.take_rows.remote(), timeout=30)
             except (RayActorError, GetTimeoutError):
                 continue
+            phases[i] = (got["phase"], got["phase_s"])
             for row in got["rows"]:
                 s = int(row["step"])
                 if s in seen:
                     continue
                 seen[s] = row
+                slowest[0] = max(slowest[0], float(row.get("step_time_s") or 0.0))
                 for rec in list(pending.values()):
                     if rec.get("resume_s") is None and s > rec["lost_step"]:
                         rec["resume_s"] = row["time"] - rec["lost_at"]  # the live replicas commit again
@@ -454,24 +478,23 @@ def run_replicas(
                     on_checkpoint(int(step), str(path))
 
     def kill_hung() -> None:
-        """A live replica missing from the last ``HUNG_STEPS`` committed steps, started before them and not a
-        replacement still joining, makes no progress (a hung process still heartbeats, so torchft keeps waiting
-        for it at every quorum): kill it; its run then ends as a lost replica's and is replaced."""
-        last = sorted(seen)[-HUNG_STEPS:]
-        if len(last) < HUNG_STEPS:
-            return
+        """A live replica that has stayed longer than the hang timeout in a phase of its own (computing, saving:
+        not waiting on its peers) makes no progress. It still heartbeats, so torchft keeps counting it: its peers'
+        all-reduce fails and their next quorum waits for a majority it is part of. Kill it; its run then ends as a
+        lost replica's and is replaced. A replacement still healing is left alone (its heal is a ``quorum``)."""
+        limit = _hang_limit(spec, slowest[0])
         for i in list(running.values()):
-            if i in pending or i in hung or started[i] >= last[0]:
+            phase, in_phase = phases.get(i, ("", 0.0))
+            if i in hung or phase in WAITING or phase == "start" or in_phase <= limit:
                 continue
-            if not any(int(seen[k].get("replica_mask") or 0) >> i & 1 for k in last):
-                hung.add(i)
-                emit(
-                    "replica_hung",
-                    f"replica {i} trained none of steps {last[0]}-{last[-1]} while alive: hung; it is killed and "
-                    "replaced",
-                )
-                with contextlib.suppress(Exception):
-                    ray.kill(actors[i])
+            hung.add(i)
+            emit(
+                "replica_hung",
+                f"replica {i} has been in {phase} for {in_phase:.0f} s, over the hang timeout of {limit:.0f} s "
+                f"(resources.hang_timeout_s): hung; it is killed and replaced",
+            )
+            with contextlib.suppress(Exception):
+                ray.kill(actors[i])
 
     try:
         infos = launch(list(range(n)), from_storage=True)

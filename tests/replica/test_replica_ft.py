@@ -154,10 +154,11 @@ def test_a_replacement_still_joining_when_the_last_step_commits_is_no_loss(ray_s
 
 
 def test_a_hung_replica_is_killed_and_replaced(ray_session, ddp_losses) -> None:
-    """``faults.hang_rank``: replica 1 blocks forever in step 3 but its process lives and heartbeats. With
-    ``resources.hang_timeout_s`` 3 the survivor's all-reduce gives up after 3 s and each quorum waits at most 3 s for
-    it; after two steps committed without it the driver kills it as hung, and the replacement heals and rejoins.
-    ``batch: keep``: the losses are still the unfaulted run's."""
+    """``faults.hang_rank``: replica 1 blocks forever computing step 3 while its process lives and heartbeats, so
+    torchft still counts it (its peer's all-reduce fails and the next quorum waits for a majority it is part of).
+    With ``resources.hang_timeout_s`` 3 the driver sees it over 3 s in ``compute``, kills it as hung, and the
+    survivor goes on alone until the replacement heals from it and rejoins. ``batch: keep``: the losses are still
+    the unfaulted run's."""
     steps = 10
     spec = tiny_spec(
         dp=2,
@@ -168,12 +169,13 @@ def test_a_hung_replica_is_killed_and_replaced(ray_session, ddp_losses) -> None:
     )
     out, rows, events = _run(spec)
     by = sorted(rows, key=lambda r: r["step"])
-    assert [r["step"] for r in by] == list(range(1, steps + 1))
+    assert [r["step"] for r in by] == list(range(1, steps + 1))  # every step once
     masks = [r["replica_mask"] for r in by]
-    assert masks[:2] == [3, 3] and masks[2:4] == [1, 1] and masks[-1] == 3, masks  # out from step 3, then back
+    assert masks[:2] == [3, 3] and masks[2] == 1, masks  # step 3 committed without the hung replica
     assert max(abs(a - b) for a, b in zip(out["losses"], ddp_losses)) < FP32_TOL
     kinds = [k for k, _ in events]
-    assert kinds.count("replica_hung") == 1 and "replica 1 trained none of steps 3-4" in dict(events)["replica_hung"]
-    assert kinds.index("replica_hung") < kinds.index("replica_lost") < kinds.index("replica_rejoined"), events
+    assert kinds.count("replica_hung") == 1, events
+    assert "replica 1 has been in compute for" in dict(events)["replica_hung"]
+    assert kinds.index("replica_hung") < kinds.index("replica_lost"), events
     assert out["replica_restarts"] == 1 and out["replica_restores"] == 0
-    assert by[2].get("recovery_s", 0) >= 3  # the survivor's stall: the failed all-reduce, then the quorum's wait
+    assert by[2]["recovery_s"] >= 3  # the survivor's stall: the hang timeout, then the lost heartbeat
