@@ -44,7 +44,7 @@ from service.security.paths import project_checkpoint_root
 from service.settings import Settings
 from service.store.db import make_engine, make_sessionmaker, session_scope
 from workers.async_ps import run_async_ps
-from workers.replica_ft import run_replicas
+from workers.replica_driver import run_replicas
 
 logger = logging.getLogger("meshrun.driver")
 
@@ -237,8 +237,8 @@ def _run_async_ps(spec: RunSpec, plan: Plan, channel: Any, ckpt_dir: str | None)
 
 
 def _run_replicas(spec: RunSpec, plan: Plan, channel: Any, ckpt_dir: str | None) -> None:
-    """fault_tolerance.mode replica: torchft replicas as Ray actors (``workers.replica_ft``), no TorchTrainer. A lost
-    replica is a run event (replaced, healed from a peer), not a failed attempt; rows go to the channel as they
+    """fault_tolerance.mode replica: torchft replicas as Ray actors (``workers.replica_driver``), no TorchTrainer. A
+    lost replica is a run event (replaced, healed from a peer), not a failed attempt; rows go to the channel as they
     come, each step once, with the replica count of that step."""
     attempt = 0
 

@@ -17,7 +17,8 @@ import pytest
 from api.spec import RunSpec
 from api.spec.validation import build_plan
 from tests.workers.dist_utils import run_world, tiny_spec
-from workers.replica_ft import latest_checkpoint, run_replicas, shards_of
+from workers.replica_driver import run_replicas
+from workers.replica_ft import latest_checkpoint, shards_of
 
 pytestmark = pytest.mark.slow
 FP32_TOL = 2e-5
