@@ -17,20 +17,13 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from api.spec import Plan, RunSpec
+from api.spec.run import hang_limit_s
 from workers.replica_ft import JOIN_TIMEOUT_MS, NoPeerToHeal, ReplicaWorker, node_ip, timeouts
 
 POLL_S = 0.2
 HEARTBEAT_TIMEOUT_MS = 1500  # a replica silent this long is out of the next quorum (the survivors' detection)
 WAITING = frozenset({"quorum", "allreduce", "commit"})  # phases that wait on the peers (or the lighthouse)
 FINISH_GRACE_S = 120.0  # how long the last step's other participants get to return (a checkpoint to write)
-
-
-def _hang_limit(spec: RunSpec, slowest_step_s: float) -> float:
-    """Seconds a replica may stay in a phase of its own: ``resources.hang_timeout_s``, else as a group-mode run's
-    hang watch, max(300 s, 20 x the slowest committed step)."""
-    if spec.resources.hang_timeout_s is not None:
-        return float(spec.resources.hang_timeout_s)
-    return max(300.0, 20 * slowest_step_s)
 
 
 def _lighthouse(min_replicas: int, join_timeout_ms: int = JOIN_TIMEOUT_MS) -> tuple[Any, str]:
@@ -160,7 +153,7 @@ def run_replicas(
         not waiting on its peers) makes no progress. It still heartbeats, so torchft keeps counting it: its peers'
         all-reduce fails and their next quorum waits for a majority it is part of. Kill it; its run then ends as a
         lost replica's and is replaced. A replacement still healing is left alone (its heal is a ``quorum``)."""
-        limit = _hang_limit(spec, slowest[0])
+        limit = hang_limit_s(spec.resources.hang_timeout_s, slowest[0])
         for i in list(running.values()):
             phase, in_phase = phases.get(i, ("", 0.0))
             if i in hung or phase in WAITING or phase == "start" or in_phase <= limit:

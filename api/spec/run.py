@@ -306,6 +306,18 @@ class FaultsSpec(_Spec):
     )
 
 
+HANG_FLOOR_S = 300.0
+HANG_STEP_FACTOR = 20.0
+
+
+def hang_limit_s(hang_timeout_s: float | None, slowest_step_s: float) -> float:
+    """How long no progress means a hang: ``resources.hang_timeout_s`` when given, else max(300 s, 20 x the slowest
+    step seen). One rule for the group-mode watch (``service.runs.watch``) and replica mode's driver."""
+    if hang_timeout_s is not None:
+        return float(hang_timeout_s)
+    return max(HANG_FLOOR_S, HANG_STEP_FACTOR * slowest_step_s)
+
+
 class ResourcesSpec(_Spec):
     device: Literal["auto", "cpu", "gpu"] = "auto"
     cpus_per_worker: float = Field(1, gt=0, le=1024)

@@ -7,7 +7,7 @@ come back under the threshold before it can be named again.
 
 ``HangWatch``: no rank finished a step for ``timeout_s`` (from the ranks' heartbeats, ``workers.diagnostics``). The
 timeout is the spec's ``resources.hang_timeout_s`` or, when unset, derived from the measured step times:
-``max(HANG_FLOOR_S, HANG_STEP_FACTOR x the slowest step seen)``. Nothing is declared before the attempt's first
+``api.spec.run.hang_limit_s``: max(300 s, 20 x the slowest step seen). Nothing is declared before the attempt's first
 step (model build, compile and checkpoint loading have no step time to compare with).
 """
 
@@ -16,10 +16,10 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
+from api.spec.run import hang_limit_s
+
 STRAGGLER_RATIO = 1.5  # compute above 1.5x the peers' median ...
 STRAGGLER_STEPS = 5  # ... for this many measured steps in a row
-HANG_FLOOR_S = 300.0
-HANG_STEP_FACTOR = 20.0
 
 
 @dataclass(frozen=True)
@@ -95,9 +95,7 @@ class HangWatch:
     fired: bool = False
 
     def effective_timeout_s(self) -> float:
-        if self.timeout_s is not None:
-            return self.timeout_s
-        return max(HANG_FLOOR_S, HANG_STEP_FACTOR * self.slowest_step_s)
+        return hang_limit_s(self.timeout_s, self.slowest_step_s)
 
     def step_time(self, seconds: float | None) -> None:
         if seconds is not None and seconds > self.slowest_step_s:
