@@ -71,7 +71,7 @@ def test_replicas_match_ddp_and_survive_a_killed_replica(ray_session, ddp_losses
         dp=2,
         steps=steps,
         fault_tolerance=_ft(),
-        faults={"kill_rank": {"rank": 1, "at_step": 3}, "slow_rank": {"rank": 0, "delay_s": 0.3}},
+        faults={"kill_rank": {"rank": 1, "at_step": 3}, "slow_rank": {"rank": 0, "delay_s": 0.8}},
         resources={"max_failures": 1},
     )
     out, rows, events = _run(spec)
