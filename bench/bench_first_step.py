@@ -1,14 +1,19 @@
-"""Submit -> first step: a run through meshrun vs a bare Ray ``TorchTrainer`` with the same number of workers.
+"""Submit -> first step: a run through meshrun (warm and cold) vs a bare Ray ``TorchTrainer`` with the same number of
+workers.
 
     python bench/bench_first_step.py                    # dp=2 tiny GPT, 2 rounds, a local Ray head
     python bench/bench_first_step.py --workers 4 --repeats 3
     python bench/bench_first_step.py --ray-address HOST:PORT --dashboard-url http://HOST:8265
+    python bench/bench_first_step.py --no-warm          # a service without a warm pool: cold and bare only
 
-One Ray head and one meshrun service start first (not timed). Then each round, in alternating order, never together:
+One Ray head and one meshrun service with a warm pool of ``--workers`` workers (``MESHRUN_WARM_WORKERS``) start
+first (not timed; the bench waits until the pool's group is up). Then each round, in rotating order, never
+together:
 
-- meshrun: ``POST /v1/runs`` (tiny GPT, ``--workers`` data-parallel CPU workers, 3 steps) until the first metric
-  row's time; the run's phase events say where the time went (queued -> starting the Ray Job -> placing the
-  workers -> workers ready -> first step);
+- meshrun warm: ``POST /v1/runs`` (tiny GPT, ``--workers`` data-parallel CPU workers, 3 steps) until the first
+  metric row's time, the run starting in the service's warm pool; the run's phase events say where the time went;
+- meshrun cold: the same with ``resources.warm_start: false`` (queued -> starting the Ray Job -> placing the workers
+  in a new Ray Train worker group -> workers ready -> first step);
 - bare Ray Train: a Ray Job (the same Jobs API meshrun uses) whose entrypoint is this file in ``--bare-driver``
   mode: ``ray.init`` and a ``TorchTrainer`` of ``--workers`` CPU workers whose loop does one DDP step of a small
   linear model; rank 0 writes the time of its first step to a file.
@@ -39,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 from bench.bench_launcher import meshrun_service  # noqa: E402
 
 
-def spec(workers: int) -> dict[str, Any]:
+def spec(workers: int, warm: bool = True) -> dict[str, Any]:
     return {
         "name": f"bench-first-step-{uuid.uuid4().hex[:6]}",
         "model": {"name": "gpt", "preset": "tiny"},
@@ -48,15 +53,15 @@ def spec(workers: int) -> dict[str, Any]:
         "batch": {"global_batch_size": 2 * workers, "micro_batch_size": 2},
         "train": {"steps": 3, "seed": 0},
         "optimizer": {"warmup_steps": 0, "schedule": "constant"},
-        "resources": {"device": "cpu", "cpus_per_worker": 1},
+        "resources": {"device": "cpu", "cpus_per_worker": 1, "warm_start": warm},
     }
 
 
-def run_meshrun(url: str, workers: int) -> tuple[float, list[str]]:
+def run_meshrun(url: str, workers: int, warm: bool = True) -> tuple[float, list[str]]:
     import httpx
 
     t0 = time.time()
-    r = httpx.post(f"{url}/v1/runs", json=spec(workers), timeout=60)
+    r = httpx.post(f"{url}/v1/runs", json=spec(workers, warm), timeout=60)
     r.raise_for_status()
     run_id = r.json()["id"]
     while True:
@@ -135,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ray-address")
     ap.add_argument("--dashboard-url")
     ap.add_argument("--num-cpus", type=int, default=None, help="CPU slots of the local head (default: meshrun's)")
+    ap.add_argument("--no-warm", action="store_true", help="no warm pool: meshrun cold vs bare only")
     ap.add_argument("--bare-driver", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -142,9 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         bare_driver(args.workers, args.out)
         return 0
     tmp = Path(tempfile.mkdtemp(prefix="mr-first-step-", dir="/tmp"))
-    mesh: list[float] = []
-    bare: list[float] = []
-    phases: list[str] = []
+    kinds = ["cold", "bare"] if args.no_warm else ["warm", "cold", "bare"]
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    phases: dict[str, list[str]] = {}
+    load: list[float] = []
     with contextlib.ExitStack() as stack:
         gcs, dash = args.ray_address, args.dashboard_url
         if not gcs:  # our own head: the bare job needs Ray's dashboard itself (meshrun's /ray/ proxy is read-only)
@@ -159,28 +166,59 @@ def main(argv: list[str] | None = None) -> int:
             head.start()
             stack.callback(head.stop)
             gcs, dash = head.address, head.dashboard_url
-        url = stack.enter_context(meshrun_service(tmp, ray_address=gcs, dashboard_url=dash, num_cpus=None))
+        warm = 0 if args.no_warm else args.workers
+        url = stack.enter_context(
+            meshrun_service(tmp, ray_address=gcs, dashboard_url=dash, num_cpus=None, warm_workers=warm)
+        )
+        if warm:
+            wait_warm_pool(dash)
         for i in range(args.repeats):
-            order = ("meshrun", "bare") if i % 2 == 0 else ("bare", "meshrun")
+            order = kinds[i % len(kinds) :] + kinds[: i % len(kinds)]
             for which in order:
-                if which == "meshrun":
-                    t, phases = run_meshrun(url, args.workers)
-                    mesh.append(t)
+                load.append(os.getloadavg()[0])
+                if which == "bare":
+                    times[which].append(run_bare(dash, gcs, args.workers, tmp))
                 else:
-                    bare.append(run_bare(dash, gcs, args.workers, tmp))
-                print(
-                    f"round {i + 1} {which:8s} submit -> first step {(mesh if which == 'meshrun' else bare)[-1]:.1f} s"
-                )
+                    t, phases[which] = run_meshrun(url, args.workers, warm=which == "warm")
+                    times[which].append(t)
+                print(f"round {i + 1} {which:5s} submit -> first step {times[which][-1]:.1f} s", flush=True)
     print()
     print(f"submit -> first step, {args.workers} CPU workers, median [min-max] of {args.repeats} rounds")
-    print(f"  meshrun (REST -> DB -> scheduler -> Ray Job -> driver -> Ray Train): {_fmt(mesh)}")
-    print(f"  bare Ray TorchTrainer (Ray Job -> driver -> Ray Train):            {_fmt(bare)}")
-    print(f"  meshrun's extra: {statistics.median(mesh) - statistics.median(bare):+.1f} s (target <= 3 s)")
-    print("  meshrun's phases (last round):")
-    for p in phases:
-        print(f"    {p}")
-    print(json.dumps({"meshrun_s": mesh, "bare_s": bare, "workers": args.workers}))
+    print(f"load average during the rounds: {min(load):.1f}-{max(load):.1f} ({os.cpu_count()} CPUs)")
+    labels = {
+        "warm": "meshrun warm (REST -> DB -> scheduler -> Ray Job -> driver -> warm pool)",
+        "cold": "meshrun cold (REST -> DB -> scheduler -> Ray Job -> driver -> Ray Train)",
+        "bare": "bare Ray TorchTrainer (Ray Job -> driver -> Ray Train)",
+    }
+    for k in kinds:
+        print(f"  {labels[k]:74s} {_fmt(times[k])}")
+    if "warm" in times:
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print(f"  warm target: <= 5 s; warm / bare: {med['warm'] / med['bare']:.2f}")
+    extra = statistics.median(times["cold"]) - statistics.median(times["bare"])
+    print(f"  meshrun cold's extra over bare: {extra:+.1f} s")
+    for k, ps in phases.items():
+        print(f"  meshrun {k}'s phases (last round):")
+        for p in ps:
+            print(f"    {p}")
+    print(json.dumps({**{f"{k}_s": v for k, v in times.items()}, "workers": args.workers, "load": load}))
     return 0
+
+
+def wait_warm_pool(dashboard_url: str, timeout_s: float = 300) -> None:
+    """Until the service's warm pool job says its group is up."""
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(dashboard_url)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for job in client.list_jobs():
+            if (job.metadata or {}).get("meshrun") == "warm" and "ready on node" in client.get_job_logs(
+                job.submission_id
+            ):
+                return
+        time.sleep(0.5)
+    raise SystemExit("the warm pool did not come up within 300 s")
 
 
 if __name__ == "__main__":

@@ -100,7 +100,9 @@ def run_torchrun(spec: dict[str, Any], world: int, cpus_per_worker: float, warmu
 
 
 @contextlib.contextmanager
-def meshrun_service(tmp: Path, *, ray_address: str | None, dashboard_url: str | None, num_cpus: int | None) -> Any:
+def meshrun_service(
+    tmp: Path, *, ray_address: str | None, dashboard_url: str | None, num_cpus: int | None, **overrides: Any
+) -> Any:
     """A meshrun service (and a local Ray head unless ``ray_address``) for the whole benchmark; yields its URL."""
     import uvicorn
 
@@ -128,6 +130,7 @@ def meshrun_service(tmp: Path, *, ray_address: str | None, dashboard_url: str | 
         port=port,
         scheduler_interval_s=1.0,
         rate_limit_per_minute=0,
+        **overrides,
     )
     server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
     th = threading.Thread(target=server.run, daemon=True)

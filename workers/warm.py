@@ -6,7 +6,10 @@ trial) on it as rank ``cfg["rank"]`` of ``cfg["world_size"]``:
 1. a new default process group for this job only, on a new TCP store that rank 0 serves (``endpoint()``, a fresh
    port per job; gloo on CPU), so no communicator or store key of an earlier job is reused;
 2. the attempt registered with the job's run channel (rank -> node map, pids), as a Ray Train worker would;
-3. ``workers.loop.train_job`` with the run channel's hooks (rows, heartbeats, stragglers, profiles, stop);
+3. ``workers.loop.train_job`` with the run channel's hooks (rows, heartbeats, stragglers, profiles, stop). A sweep
+   trial checkpoints nowhere lasting (a scratch directory per rank, removed after it); a run gets ``checkpoint_dir``
+   (one directory every rank writes into, on the run's storage: the ranks of a warm run share a node) and
+   ``resume_from``, and rank 0 reports each complete checkpoint to the channel as Ray Train's callback would;
 4. whatever happens: the process group destroyed (every sub-group and device mesh with it), compiled graphs
    dropped (``torch._dynamo.reset``), the job's objects collected, the default RNG re-seeded and the thread count
    restored, so nothing of one job leaks into the next (the engine seeds every job from its spec anyway).
@@ -21,6 +24,7 @@ Imports ray and torch only (no fastapi, no sqlalchemy).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -73,6 +77,7 @@ class WarmWorker:
         from api.spec import Plan, RunSpec
         from workers.engine import WorkerJob
         from workers.loop import train_job
+        from workers.preemption import NOTICE, install
         from workers.ray_worker import RowSink, _gather_objects, _publisher, channel_hooks
 
         rank, world = int(cfg["rank"]), int(cfg["world_size"])
@@ -88,6 +93,7 @@ class WarmWorker:
         )
         self.jobs += 1
         root = Path(tempfile.gettempdir()) / "meshrun-warm" / run_id
+        scratch = not cfg.get("checkpoint_dir")  # a sweep trial: its checkpoints are scratch, removed after it
         rows: RowSink | None = None
         summary: dict[str, Any] = {}
         t0 = time.perf_counter()
@@ -97,12 +103,17 @@ class WarmWorker:
             store = dist.TCPStore(str(cfg["master_addr"]), int(cfg["master_port"]), world, is_master=False)
         dist.init_process_group(backend=None, store=store, rank=rank, world_size=world, timeout=timeout)
         self.store = None  # this job's store: nothing of it serves the next one
+        NOTICE.reset()  # SIGTERM while this job trains = a preemption notice, as in a Ray Train worker
+        if not install(NOTICE):
+            log.warning("rank %d: no preemption handler (not the actor's main thread); SIGTERM ends this worker", rank)
         try:
             me = {**self.info(), "rank": rank, "local_rank": int(cfg.get("local_rank", 0))}
             ranks = _gather_objects(me)
             attempt: int | None = None
             if rank == 0:
-                cause = f"start in a warm worker group ({cfg.get('group', 'warm')}, job {self.jobs} of this worker)"
+                cause = cfg.get("cause") or (
+                    f"start in a warm worker group ({cfg.get('group', 'warm')}, job {self.jobs} of this worker)"
+                )
                 attempt = ray.get(channel.begin_attempt.remote({"ranks": ranks, "cause": cause}), timeout=60)
             box: list[Any] = [attempt]
             dist.broadcast_object_list(box, src=0)
@@ -110,22 +121,25 @@ class WarmWorker:
             if rank == 0:
                 rows = RowSink(channel, attempt, _publisher(run_id, cfg.get("run_name") or run_id, rank))
             hooks = channel_hooks(channel, attempt, rank, rows)
+            if not scratch:
+                hooks = dataclasses.replace(hooks, on_checkpoint=_listed(channel, attempt, rank, rows))
             job = WorkerJob(
                 spec=spec,
                 plan=plan,
                 run_id=run_id,
                 attempt=attempt,
-                checkpoint_dir=str(root / f"rank{rank}"),
-                resume_from=None,
-                state_dir=str(root / "state"),
-                profile_dir=str(root / "profiles"),
+                checkpoint_dir=str(cfg.get("checkpoint_dir") or root / f"rank{rank}"),
+                resume_from=cfg.get("resume_from"),
+                state_dir=str(Path(cfg.get("state_root") or root / "state") / f"a{attempt}"),
+                profile_dir=str(Path(cfg.get("profile_root") or root / "profiles") / f"a{attempt}"),
             )
             summary = train_job(job, hooks) or {}
         finally:
+            NOTICE.finish()  # a SIGTERM between jobs is no preemption notice
             if rows is not None:
                 rows.flush()
             self._reset()
-            shutil.rmtree(root / f"rank{rank}", ignore_errors=True)
+            shutil.rmtree(root / f"rank{rank}" if scratch else root, ignore_errors=True)
         if rank == 0:
             done = {k: v for k, v in summary.items() if k != "losses"}
             ray.get(channel.done.remote(done), timeout=60)
@@ -145,3 +159,18 @@ class WarmWorker:
         gc.collect()
         torch.manual_seed(0)
         torch.set_num_threads(self.threads)
+
+
+def _listed(channel: Any, attempt: int, rank: int, rows: Any) -> Any:
+    """A warm run's ``on_checkpoint``: the checkpoint is one directory on the run's storage, complete once every rank
+    is here (``write_checkpoint`` publishes it before returning); rank 0 flushes the rows up to it and reports it to
+    the channel, as Ray Train's ``ChannelCallback`` reports a merged one."""
+
+    def on_checkpoint(step: int, path: str | None) -> None:
+        if rank != 0 or not path:
+            return
+        if rows is not None:
+            rows.flush()
+        channel.checkpoint.remote({"step": int(step), "path": str(path), "attempt_reported": attempt})
+
+    return on_checkpoint

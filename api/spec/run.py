@@ -333,6 +333,12 @@ class ResourcesSpec(_Spec):
         "quorum) before going on without it, which is then killed and replaced as hung (null: 60 s / 30 s).",
     )
     priority: int = Field(0, ge=-1000, le=1000, description="Higher runs first; FIFO within a priority.")
+    warm_start: bool = Field(
+        True,
+        description="Start in the service's warm worker pool when it has one (MESHRUN_WARM_WORKERS; CPU runs on one "
+        "node): seconds instead of a new Ray Train worker group. A failure there restarts as a Ray Train worker group "
+        "from the latest checkpoint (one of max_failures). false: always a new Ray Train worker group.",
+    )
 
 
 class ElasticSpec(_Spec):

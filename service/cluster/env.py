@@ -12,6 +12,7 @@ the working dir. Every Ray Train worker inherits the job's runtime env.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shlex
@@ -91,6 +92,18 @@ def credential_file(settings: Settings) -> Path:
     return path
 
 
+WARM_POOL_ENV = "MESHRUN_WARM_POOL"
+
+
+def warm_pool_name(settings: Settings) -> str | None:
+    """The name of this service's warm pool actor (``service.cluster.warm_host``), one per service (its database
+    and data directory), so services sharing a Ray cluster never take each other's workers; None: no pool."""
+    if not settings.warm_workers:
+        return None
+    key = hashlib.sha256(f"{settings.database_url}|{Path(settings.data_dir).resolve()}".encode()).hexdigest()[:12]
+    return f"meshrun-warm-pool-{key}"
+
+
 def job_runtime_env(
     settings: Settings,
     *,
@@ -126,6 +139,9 @@ def job_runtime_env(
     # A job's output is a log file, never a terminal: no ANSI colour around Ray's "(RayTrainWorker pid=...)" prefixes
     env["RAY_COLOR_PREFIX"] = "0"
     env.update({k: os.environ[k] for k in PASS_THROUGH_ENV if os.environ.get(k)})
+    pool = warm_pool_name(settings)
+    if pool:  # run drivers start their workers in it when they can (service.runs.warm_start)
+        env[WARM_POOL_ENV] = pool
     env.update(extra_env or {})
     for k in SECRET_ENV:
         env.pop(k, None)

@@ -6,8 +6,10 @@
   (an attempt) and the rank -> node map, the Train callback sends checkpoints and worker errors. The driver
   drains it every ~0.5 s into the run database. This keeps ``ray.train.report`` (a ~2 s barrier) out of the
   per-step path.
-- ``ChannelCallback``: a Ray Train ``UserCallback`` (runs in the Train controller) forwarding persisted
-  checkpoints and worker exceptions to the channel.
+
+Light on purpose: the channel actor's process imports this module (no Ray Train, no Jobs client at import time), so
+a run's channel is up in the time a Python process takes to import Ray. Ray Train's ``ChannelCallback`` is in
+``service.runs.trainer``.
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import ray
 from ray.actor import ActorHandle
-from ray.job_submission import JobDetails, JobSubmissionClient
-from ray.train import Checkpoint, UserCallback
-from ray.train.v2._internal.execution.context import TrainRunContext  # the type UserCallback's hooks name
+
+if TYPE_CHECKING:
+    from ray.job_submission import JobDetails, JobSubmissionClient
 
 logger = logging.getLogger(__name__)
 
@@ -184,30 +186,6 @@ def _short(e: BaseException, limit: int = 1500) -> str:
     return text[-limit:]
 
 
-class ChannelCallback(UserCallback):
-    """Runs in the Train controller: persisted checkpoints and worker failures -> the run channel."""
-
-    def __init__(self, channel: ActorHandle):
-        self.channel = channel
-
-    def after_report(
-        self, run_context: TrainRunContext, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None
-    ) -> None:
-        if checkpoint is None:
-            return
-        m = metrics[0] if metrics else {}
-        self.channel.checkpoint.remote(
-            {"step": m.get("step"), "path": checkpoint.path, "attempt_reported": m.get("attempt")}
-        )
-
-    def after_exception(self, run_context: TrainRunContext, worker_exceptions: dict[int, Exception]) -> None:
-        try:
-            text = format_worker_exceptions(worker_exceptions)
-        except Exception as e:
-            text = f"worker failure ({e})"
-        self.channel.worker_error.remote(text)
-
-
 # -------------------------------------------------------------------------------------------------- jobs
 @dataclass
 class JobState:
@@ -230,6 +208,8 @@ class JobsBackend:
     @property
     def client(self) -> JobSubmissionClient:
         if self._client is None:
+            from ray.job_submission import JobSubmissionClient  # the service only: not in the channel's process
+
             self._client = JobSubmissionClient(self.dashboard_url)
         return self._client
 

@@ -29,6 +29,7 @@ from service.cluster.placement import NodeCapacity
 from service.cluster.placement import never_fits as _never_fits
 from service.control.recovery import requeue_lost_runs
 from service.control.scheduler import Scheduler
+from service.control.warm_pool import WarmHost
 from service.settings import Settings
 from service.store import controller
 from service.store.db import session_scope
@@ -72,6 +73,7 @@ class Runtime:
         self._health: RayHealth | None = None
         self._health_lock = threading.Lock()
         self._calibrated_at = 0.0
+        self.warm: WarmHost | None = None
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -84,6 +86,10 @@ class Runtime:
                 f"no dashboard URL for the Ray cluster at {self.ray_cluster.address}; set MESHRUN_RAY_DASHBOARD_URL"
             )
         self._jobs = JobsBackend(self.ray_cluster.dashboard_url)
+        self.warm = WarmHost(
+            self.settings, self._jobs, gcs_address=self.ray_cluster.address, dashboard_url=self.dashboard_url
+        )
+        self.warm.ensure(force=True)  # prestarts while the service starts: the first run finds it warm
         self.scheduler = Scheduler(
             settings=self.settings, session_factory=self.factory, cluster=self.ray_cluster, jobs=self._jobs
         )
@@ -104,6 +110,8 @@ class Runtime:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        if self.warm is not None:
+            self.warm.stop()
         self.ray_cluster.stop()
 
     def _loop(self) -> None:
@@ -123,6 +131,8 @@ class Runtime:
             if self.ray_cluster.owned and self.ray_cluster.head_dead():
                 self._restart_head()
             self.scheduler.tick()
+            if self.warm is not None:
+                self.warm.ensure()
             try:
                 sweeps.reconcile_sweeps(self)
                 sweeps.start_queued_sweeps(self)
@@ -160,6 +170,8 @@ class Runtime:
             self._nodes_cache = None
             if self._jobs is not None:
                 self._jobs.reset()
+            if self.warm is not None:
+                self.warm.job_id, self.warm.checked_at = None, 0.0  # its job died with the head: start it again
         if self.scheduler is not None:
             self.scheduler.pending.clear()
             self.scheduler.replanning.clear()

@@ -31,20 +31,20 @@ from sqlalchemy.orm import Session
 from api.spec import Plan, RunSpec, RunStatus
 from api.spec.validation import build_plan
 from service import store
+from service.cluster.env import WARM_POOL_ENV
 from service.cluster.gcs_view import gcs_port_answers
 from service.cluster.jobs import channel_name, trim
 from service.cluster.placement import Placement
 from service.runs.disk_full import is_disk_full, retry_after_disk_full
 from service.runs.inspect import InspectionFailed, describe, inspect_in_driver
 from service.runs.lifecycle import Outcome, RunLifecycle, failure_text, one_sentence
+from service.runs.naming import train_run_name
 from service.runs.preemption import preemption_reason, watch_preempt_requests
 from service.runs.tracking import track_run
-from service.runs.trainer import build_trainer, placing_phase, train_run_name
+from service.runs.warm_start import NotOneNode, cold_reason, fit_warm, record_failure, restarts_left, warm_pool
 from service.security.paths import project_checkpoint_root
 from service.settings import Settings
 from service.store.db import make_engine, make_sessionmaker, session_scope
-from workers.async_ps import run_async_ps
-from workers.replica_driver import run_replicas
 
 logger = logging.getLogger("meshrun.driver")
 
@@ -217,6 +217,8 @@ def _run_async_ps(spec: RunSpec, plan: Plan, channel: Any, ckpt_dir: str | None)
     """layout.sync async_ps: parameter servers and workers as Ray actors (``workers.async_ps``), no TorchTrainer.
     Rows go to the run's channel as they come; a lost worker is a run event, not a failed attempt, and so is a
     lost parameter server (every server restored from the latest checkpoint in ``ckpt_dir``)."""
+    from workers.async_ps import run_async_ps  # torch: imported by the drivers that need it only
+
     attempt = ray.get(channel.begin_attempt.remote({"cause": "start (async_ps: parameter servers)", "ranks": []}))
 
     def sink(row: dict[str, Any]) -> None:
@@ -240,6 +242,8 @@ def _run_replicas(spec: RunSpec, plan: Plan, channel: Any, ckpt_dir: str | None)
     """fault_tolerance.mode replica: torchft replicas as Ray actors (``workers.replica_driver``), no TorchTrainer. A
     lost replica is a run event (replaced, healed from a peer), not a failed attempt; rows go to the channel as they
     come, each step once, with the replica count of that step."""
+    from workers.replica_driver import run_replicas
+
     attempt = 0
 
     def start(ranks: list[dict[str, Any]]) -> None:
@@ -258,6 +262,72 @@ def _run_replicas(spec: RunSpec, plan: Plan, channel: Any, ckpt_dir: str | None)
     )
     summary.pop("losses", None)
     ray.get(channel.done.remote(summary))
+
+
+def _fit_group(
+    life: RunLifecycle,
+    channel: Any,
+    *,
+    run_id: str,
+    run_name: str,
+    resume_from: str | None,
+    spec: RunSpec,
+    plan: Plan,
+    placement: Placement | None,
+    settings: Settings,
+    train_run_name: str,
+) -> None:
+    """Group mode: in the service's warm pool when the run can start there (``service.runs.warm_start``), else, or
+    after a failure there (one of ``max_failures``, from the latest checkpoint), a new Ray Train worker group. Ray
+    Train (and torch with it) is imported only then: a warm run's driver starts without either."""
+    max_failures: int | None = None
+    why = cold_reason(spec, plan, placement)
+    pool = warm_pool() if why is None else None
+    if pool is not None:
+        try:
+            fit_warm(
+                life,
+                pool,
+                run_id=run_id,
+                run_name=run_name,
+                spec=spec,
+                plan=plan,
+                placement=placement,
+                channel=channel,
+                settings=settings,
+                train_run_name=train_run_name,
+                resume_from=resume_from,
+            )
+            return
+        except NotOneNode as e:
+            logger.info("run %s: %s; it starts a Ray Train worker group instead", run_id, e)
+        except Exception as e:
+            logger.exception("run %s: the attempt in the warm pool failed", run_id)
+            record_failure(channel, e)
+            max_failures = restarts_left(spec.resources.max_failures)
+            if max_failures is None:
+                raise
+            life.recorder.drain(channel)  # its checkpoints recorded: resume from the latest
+            with session_scope(life.factory) as s:
+                ck = store.latest_checkpoint(s, run_id=run_id)
+                resume_from = ck.path if ck is not None else resume_from
+    elif why is not None and os.environ.get(WARM_POOL_ENV):
+        logger.info("run %s starts a Ray Train worker group: %s", run_id, why)
+    from service.runs.trainer import build_trainer, placing_phase
+
+    life.phase(placing_phase(plan))
+    build_trainer(
+        run_id=run_id,
+        run_name=run_name,
+        resume_from=resume_from,
+        spec=spec,
+        plan=plan,
+        placement=placement,
+        channel=channel,
+        settings=settings,
+        train_run_name=train_run_name,
+        max_failures=max_failures,
+    ).fit()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -324,18 +394,18 @@ def main(argv: list[str] | None = None) -> int:
                 elif spec.fault_tolerance.mode == "replica":
                     _run_replicas(spec, plan, channel, _actor_checkpoint_dir(spec, settings, run_id, "replica"))
                 else:
-                    life.phase(placing_phase(plan))
-                    build_trainer(
+                    _fit_group(
+                        life,
+                        channel,
                         run_id=run_id,
                         run_name=run_name,
                         resume_from=resume_from,
                         spec=spec,
                         plan=plan,
                         placement=placement,
-                        channel=channel,
                         settings=settings,
                         train_run_name=name,
-                    ).fit()
+                    )
                 outcome = Outcome.succeeded()
             except Exception as e:
                 logger.exception("training failed")

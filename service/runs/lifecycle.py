@@ -28,6 +28,7 @@ import json
 import logging
 import re
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -39,7 +40,6 @@ from typing import Any, cast
 import ray
 from ray.actor import ActorHandle
 from ray.exceptions import GetTimeoutError
-from ray.train import ControllerError, WorkerGroupError
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.spec import RunStatus
@@ -333,12 +333,16 @@ def one_sentence(text: str) -> str:
 
 def failure_text(e: BaseException, worker_errors: list[str]) -> str:
     """The workers' exception(s) of a failed ``fit()`` (rank: type: message), else the last error the Train
-    controller reported, else the exception itself."""
-    if isinstance(e, WorkerGroupError) and e.worker_failures:
+    controller reported, else the exception itself. Ray Train's error types are looked up only when Ray Train was
+    imported (a warm run's driver never imports it, and then no error of its can exist)."""
+    train = sys.modules.get("ray.train")
+    group_error, controller_error = (getattr(train, n, None) for n in ("WorkerGroupError", "ControllerError"))
+    if group_error is not None and isinstance(e, group_error) and getattr(e, "worker_failures", None):
         return format_worker_exceptions(e.worker_failures)
     if worker_errors:
         return worker_errors[-1]
-    cause: BaseException = e.controller_failure if isinstance(e, ControllerError) else e
+    is_controller = controller_error is not None and isinstance(e, controller_error)
+    cause: BaseException = e.controller_failure if is_controller else e  # type: ignore[attr-defined]
     return f"{type(cause).__name__}: {cause}"
 
 

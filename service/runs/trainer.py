@@ -15,27 +15,22 @@ makes a worker group that cannot start fail the trial at once instead of being r
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 from ray.actor import ActorHandle
-from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+from ray.train import Checkpoint, CheckpointConfig, RunConfig, ScalingConfig, UserCallback
 from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.v2._internal.execution.context import TrainRunContext  # the type UserCallback's hooks name
 from ray.train.v2.api.config import FailureConfig  # Train V2 (the default): has controller_failure_limit
 
 from api.spec import Plan, RunSpec
-from service.cluster.jobs import ChannelCallback
+from service.cluster.jobs import format_worker_exceptions
 from service.cluster.placement import Placement, slot_description, worker_resources
+from service.runs.naming import TORCH_TIMEOUT_S, run_storage, train_run_name
+
+__all__ = ["TORCH_TIMEOUT_S", "build_trainer", "placing_phase", "run_storage", "train_run_name"]
 from service.settings import Settings
-
-TORCH_TIMEOUT_S = int(os.environ.get("MESHRUN_TORCH_TIMEOUT_S", "120"))
-
-
-def train_run_name(run_id: str, submission: int) -> str:
-    """The Ray Train run name of a run's ``submission``-th Ray Job (unique: Train keeps state per name)."""
-    return f"{run_id}-s{submission}"
-
 
 RUN_START_RETRIES = 2
 
@@ -71,15 +66,12 @@ def build_trainer(
     settings: Settings,
     train_run_name: str,
     stoppable: bool = False,
+    max_failures: int | None = None,
 ) -> TorchTrainer:
     from workers.ray_worker import train_loop_per_worker
 
     scaling = scaling_config(plan, placement)
-    storage = spec.checkpoint.storage or str(settings.checkpoint_root)
-    if "://" not in storage:  # a local directory: relative ones lie under data_dir, as the path policy reads them
-        local = Path(storage).expanduser()
-        storage = str(local if local.is_absolute() else Path(settings.data_dir) / local)
-        Path(storage).mkdir(parents=True, exist_ok=True)
+    storage = run_storage(spec, settings)
     config = {
         "run_id": run_id,
         "run_name": run_name,
@@ -100,7 +92,7 @@ def build_trainer(
             # a worker group that cannot start (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, 60 s) is a controller
             # failure, retried forever by default: a sweep trial fails at once with that reason, a run retries twice
             failure_config=FailureConfig(
-                max_failures=spec.resources.max_failures,
+                max_failures=spec.resources.max_failures if max_failures is None else max_failures,
                 controller_failure_limit=0 if stoppable else RUN_START_RETRIES,
             ),
             # never Ray Train's num_to_keep: the driver prunes (checkpoint.keep) once the newer ones are recorded
@@ -110,6 +102,30 @@ def build_trainer(
             callbacks=[ChannelCallback(channel)],  # type: ignore[list-item]
         ),
     )
+
+
+class ChannelCallback(UserCallback):
+    """Runs in the Train controller: persisted checkpoints and worker failures -> the run channel."""
+
+    def __init__(self, channel: ActorHandle):
+        self.channel = channel
+
+    def after_report(
+        self, run_context: TrainRunContext, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None
+    ) -> None:
+        if checkpoint is None:
+            return
+        m = metrics[0] if metrics else {}
+        self.channel.checkpoint.remote(
+            {"step": m.get("step"), "path": checkpoint.path, "attempt_reported": m.get("attempt")}
+        )
+
+    def after_exception(self, run_context: TrainRunContext, worker_exceptions: dict[int, Exception]) -> None:
+        try:
+            text = format_worker_exceptions(worker_exceptions)
+        except Exception as e:
+            text = f"worker failure ({e})"
+        self.channel.worker_error.remote(text)
 
 
 class _Trainer(TorchTrainer):

@@ -68,7 +68,7 @@ from service.sweeps.trials import (
     prepare_trial_run,
     wait_for_admission,
 )
-from service.sweeps.warm import start_pool, usable, warm_fit
+from service.sweeps.warm import start_pool, sweep_pool, usable, warm_fit
 
 logger = logging.getLogger("meshrun.sweep_driver")
 
@@ -304,7 +304,7 @@ def _warm_fit(life: RunLifecycle, tr: TrialRun, channel: ActorHandle, cancel: th
             life.phase(f"re-meshing warm worker group #{gid} ({w} workers, {jobs} trial(s) before this one)")
 
     warm_fit(
-        sweep_id=sweep_id,
+        pool=sweep_pool(sweep_id),
         run_id=tr.run_id,
         run_name=tr.run_name,
         spec_json=tr.spec.model_dump(mode="json", by_alias=True),

@@ -1,107 +1,19 @@
-"""Warm worker groups for a sweep's trials: one worker start per sweep (per shape), not one per trial.
-
-``budget.warm_workers`` (default true; CPU trials): the sweep driver starts a ``WarmPool`` actor (named per sweep,
-in the sweep's Ray Job, so it ends with the job). A trial then trains like this (``warm_fit``, in the Tune trial):
-
-1. a placement group of the trial's workers (the plan's worker resources, its placement strategy) reserves the
-   CPUs for this trial only, exactly as Ray Train's own placement group would: the scheduler and Ray see them
-   taken while the trial trains and free as soon as it ends, so a queued run is never starved by idle warm workers;
-2. the pool hands out an idle group of ``WarmWorker`` actors (``workers.warm``: torch and the engine imported, no
-   resources of their own) pinned to the nodes of those bundles, or starts one (a sweep event says so);
-3. every worker trains the trial as its rank (a new process group per trial, re-meshed in place), rank 0 through
-   the trial run's channel like a Ray Train worker; the placement group is removed at the end;
-4. a trial that fails (a worker raised or died) or does not stop when asked costs only itself: its group is killed
-   and the next trial starts a new one. At most ``MAX_IDLE_GROUPS`` idle groups are kept (the oldest go first).
-"""
+"""A sweep's own warm pool (``budget.warm_workers``): named per sweep, started by the sweep driver in its Ray Job
+(so it ends with the job); the groups and ``warm_fit`` are ``service.cluster.warm``'s."""
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import threading
-import time
-from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from api.spec import Plan
-from service.cluster.placement import worker_resources
-from workers.warm import WarmWorker
+from service.cluster.warm import WarmPool, usable, warm_fit
 
-log = logging.getLogger(__name__)
-
-MAX_IDLE_GROUPS = 2
-PLACE_TIMEOUT_S = 60.0  # like Ray Train's worker-group start timeout: a trial that cannot be placed fails
-POLL_S = 0.5
+__all__ = ["pool_name", "start_pool", "sweep_pool", "usable", "warm_fit"]
 
 
 def pool_name(sweep_id: str) -> str:
     return f"meshrun-warm-{sweep_id}"
-
-
-def usable(plan: Plan) -> bool:
-    """Warm groups train CPU trials (a GPU worker would need its device chosen per trial)."""
-    return plan.device != "cuda" and "GPU" not in worker_resources(plan)
-
-
-@ray.remote(num_cpus=0)
-class WarmPool:
-    """The sweep's warm worker groups, keyed by (nodes of their ranks, threads)."""
-
-    def __init__(self) -> None:
-        self.groups: dict[int, dict[str, Any]] = {}
-        self.starts = 0
-
-    def acquire(self, nodes: list[str], threads: int) -> tuple[int, list[Any], int, bool]:
-        """An idle group on exactly these nodes (rank i on nodes[i]), or a new one: (group id, workers, jobs it
-        ran before, new?)."""
-        key = (tuple(nodes), int(threads))
-        for gid, g in self.groups.items():
-            if not g["busy"] and g["key"] == key:
-                g["busy"] = True
-                return gid, g["workers"], g["jobs"], False
-        workers = [
-            WarmWorker.options(  # type: ignore[attr-defined]
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
-            ).remote(threads)
-            for node in nodes
-        ]
-        ray.get([w.info.remote() for w in workers])  # up: torch and the engine imported
-        self.starts += 1
-        gid = self.starts
-        self.groups[gid] = {"key": key, "workers": workers, "busy": True, "jobs": 0, "used": time.time()}
-        self._evict()
-        return gid, workers, 0, True
-
-    def release(self, gid: int, healthy: bool) -> None:
-        g = self.groups.get(gid)
-        if g is None:
-            return
-        if not healthy:
-            self._kill(gid)
-            return
-        g["busy"], g["jobs"], g["used"] = False, g["jobs"] + 1, time.time()
-        self._evict()
-
-    def _evict(self) -> None:
-        idle = sorted((g["used"], gid) for gid, g in self.groups.items() if not g["busy"])
-        for _, gid in idle[: max(0, len(idle) - MAX_IDLE_GROUPS)]:
-            self._kill(gid)
-
-    def _kill(self, gid: int) -> None:
-        for w in self.groups.pop(gid, {}).get("workers", []):
-            with contextlib.suppress(Exception):
-                ray.kill(w)
-
-    def stats(self) -> dict[str, Any]:
-        return {"starts": self.starts, "groups": len(self.groups), "busy": sum(g["busy"] for g in self.groups.values())}
-
-    def shutdown(self) -> None:
-        for gid in list(self.groups):
-            self._kill(gid)
 
 
 def start_pool(sweep_id: str) -> Any:
@@ -109,80 +21,6 @@ def start_pool(sweep_id: str) -> Any:
     return WarmPool.options(name=pool_name(sweep_id), get_if_exists=True).remote()  # type: ignore[attr-defined]
 
 
-def _place(plan: Plan) -> tuple[Any, list[str]]:
-    """The trial's placement group (its resources for as long as it trains) and the node of each rank."""
-    pg = placement_group([worker_resources(plan)] * plan.world_size, strategy=plan.placement_strategy or "PACK")
-    try:
-        ray.get(pg.ready(), timeout=PLACE_TIMEOUT_S)
-    except Exception as e:
-        remove_placement_group(pg)
-        raise RuntimeError(
-            f"the trial's {plan.world_size} workers could not be placed within {PLACE_TIMEOUT_S:.0f} s "
-            f"({type(e).__name__}); the cluster has fewer free resources than the trial needs"
-        ) from e
-    table = placement_group_table(pg)
-    by_bundle = table.get("bundles_to_node_id") or {}
-    return pg, [str(by_bundle[i]) for i in range(plan.world_size)]
-
-
-def warm_fit(
-    *,
-    sweep_id: str,
-    run_id: str,
-    run_name: str,
-    spec_json: dict[str, Any],
-    plan: Plan,
-    channel: Any,
-    cancel: threading.Event,
-    on_group: Callable[[int, int, bool], None] | None = None,
-    timeout_s: float = 120.0,
-) -> dict[str, Any]:
-    """Train one trial on a warm group of the sweep's pool; raises what a worker raised. ``on_group(group id, jobs
-    it ran before, new?)`` once the group is known. ``cancel`` set: the trial is abandoned and its group killed."""
-    pool = ray.get_actor(pool_name(sweep_id))
-    pg, nodes = _place(plan)
-    healthy = False
-    gid = -1
-    try:
-        threads = max(1, int(worker_resources(plan).get("CPU", 1)))
-        got = cast(tuple[int, list[Any], int, bool], ray.get(pool.acquire.remote(nodes, threads), timeout=300))
-        gid, workers, jobs, new = got
-        if on_group is not None:
-            on_group(gid, jobs, new)
-        addr, port = ray.get(workers[0].endpoint.remote(plan.world_size), timeout=60)
-        per_node: dict[str, int] = {}
-        refs = []
-        for rank, (w, node) in enumerate(zip(workers, nodes)):
-            local = per_node.get(node, 0)
-            per_node[node] = local + 1
-            cfg = {
-                "rank": rank,
-                "world_size": plan.world_size,
-                "local_rank": local,
-                "local_world_size": nodes.count(node),
-                "master_addr": addr,
-                "master_port": port,
-                "spec": spec_json,
-                "plan": plan.model_dump(mode="json"),
-                "channel": channel,
-                "run_id": run_id,
-                "run_name": run_name,
-                "group": f"group #{gid}",
-                "timeout_s": timeout_s,
-            }
-            refs.append(w.train.remote(cfg))
-        pending = list(refs)
-        while pending:
-            if cancel.is_set():
-                raise RuntimeError("the trial was abandoned (its workers did not stop when asked)")
-            done, pending = ray.wait(pending, num_returns=1, timeout=POLL_S)
-            for ref in done:
-                ray.get(ref)  # a worker's error ends the trial at once (its group is killed below)
-        out = ray.get(refs[0])
-        healthy = True
-        return dict(out)
-    finally:
-        if gid >= 0:
-            with contextlib.suppress(Exception):
-                pool.release.remote(gid, healthy)
-        remove_placement_group(pg)
+def sweep_pool(sweep_id: str) -> Any:
+    """The pool ``start_pool`` made, from a trial's process."""
+    return ray.get_actor(pool_name(sweep_id))
