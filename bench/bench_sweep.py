@@ -85,6 +85,7 @@ def one_sweep(url: str, warm: bool, steps: int) -> dict[str, Any]:
             spans.append((first, _ts(rows[-1]["time"])))
     spans.sort()
     gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:])]
+    parts = _gap_parts(url, sw["trials"], spans)
     evs = httpx.get(f"{url}/v1/sweeps/{sw['id']}/events", timeout=30).json()["items"]
     starts = sum(1 for e in evs if e["kind"] == "worker_group" and " started: " in e["reason"])
     ran = [t for t in sw["trials"] if t["status"] in ("SUCCEEDED", "EARLY_STOPPED")]
@@ -102,7 +103,48 @@ def one_sweep(url: str, warm: bool, steps: int) -> dict[str, Any]:
         "gap_s": statistics.median(gaps) if gaps else None,
         "group_starts": starts if warm else len(ran),
         "best": label,
+        "parts": parts,
     }
+
+
+GAP_PARTS = ("run created", "admitted", "worker group", "workers ready", "first step")
+
+
+def _gap_parts(url: str, trials: list[dict[str, Any]], spans: list[tuple[float, float]]) -> dict[str, float]:
+    """Where a gap goes, median over the trials after the first: from the previous trial's last step row to the next
+    trial's run created (Tune's turn and the trial's set-up), admitted (the scheduler), its worker group (placed,
+    re-meshing or started), workers ready (attempt registered) and its first step's start."""
+    out: dict[str, list[float]] = {k: [] for k in GAP_PARTS}
+    ends = sorted(b for _, b in spans)
+    for t in trials:
+        if not t.get("run_id"):
+            continue
+        run = httpx.get(f"{url}/v1/runs/{t['run_id']}", timeout=30).json()
+        evs = httpx.get(f"{url}/v1/runs/{t['run_id']}/events", timeout=30).json()["items"]
+        rows = httpx.get(f"{url}/v1/runs/{t['run_id']}/metrics", timeout=30).json()["items"]
+        if not rows:
+            continue
+        first = _ts(rows[0]["time"]) - (rows[0].get("step_time_s") or 0.0)
+        before = [e for e in ends if e < first]
+        if not before:
+            continue
+        prev = before[-1]
+
+        def at(pred: Any, evs: list[dict[str, Any]] = evs) -> float | None:
+            hit = [_ts(e["time"]) for e in evs if pred(e)]
+            return min(hit) if hit else None
+
+        marks = {
+            "run created": _ts(run["created_at"]),
+            "admitted": at(lambda e: e.get("to_status") == "STARTING"),
+            "worker group": at(lambda e: e["kind"] == "phase" and "worker group" in (e["reason"] or "")),
+            "workers ready": at(lambda e: e["kind"] == "phase" and (e["reason"] or "").startswith("workers ready")),
+            "first step": first,
+        }
+        for k, v in marks.items():
+            if v is not None:
+                out[k].append(v - prev)
+    return {k: statistics.median(v) for k, v in out.items() if v}
 
 
 def main() -> int:
@@ -110,24 +152,30 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1, help="warm/cold pairs, alternating which goes first")
     ap.add_argument("--steps", type=int, default=8, help="steps per trial (2 of them warm-up)")
     ap.add_argument("--num-cpus", type=int, default=6, help="CPU slots of the local Ray head (4 workers + drivers)")
+    ap.add_argument("--modes", default="warm,cold", help="which sweeps a round runs: warm,cold (default) or one")
     args = ap.parse_args()
     load0 = os.getloadavg()
     out = []
     with meshrun_service(Path(tempfile.mkdtemp()), ray_address=None, dashboard_url=None, num_cpus=args.num_cpus) as url:
         for r in range(args.rounds):
-            for warm in (True, False) if r % 2 == 0 else (False, True):
+            modes = [m == "warm" for m in args.modes.split(",")]
+            for warm in modes if r % 2 == 0 else modes[::-1]:
                 res = one_sweep(url, warm, args.steps)
                 out.append(res)
                 gap = f"{res['gap_s']:.1f} s" if res["gap_s"] is not None else "-"
                 print(f"{res['mode']}: {res['status']}, {res['trials']} trials in {res['wall_s']:.0f} s "
                       f"({res['per_trial_s']:.1f} s per trial, gap {gap}), {res['group_starts']} worker-group "
                       f"start(s), best {res['best']}", flush=True)  # fmt: skip
+                parts = ", ".join(f"{k} +{v:.1f} s" for k, v in res["parts"].items())
+                print(f"  a gap, from the last step row of one trial (medians): {parts}", flush=True)
     load1 = os.getloadavg()
     print(f"machine load (1/5/15 min) before {load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f}, "
           f"after {load1[0]:.2f}/{load1[1]:.2f}/{load1[2]:.2f}; {os.cpu_count()} CPUs")  # fmt: skip
     print(f"{'mode':6s} {'wall':>8s} {'per trial':>10s} {'gap':>7s} {'starts':>7s}  best")
     for mode in ("warm", "cold"):
         mine = [o for o in out if o["mode"] == mode]
+        if not mine:
+            continue
         gaps = [o["gap_s"] for o in mine if o["gap_s"] is not None]
         gap = f"{statistics.median(gaps):.1f} s" if gaps else "-"
         wall = statistics.median(o["wall_s"] for o in mine)

@@ -148,12 +148,13 @@ class Settings(BaseSettings):
         "at most once a minute after a run finished; /v1/plans then names the measured factors and when.",
     )
     warm_workers: int = Field(
-        0,
+        2,
         ge=0,
         le=64,
         description="MESHRUN_WARM_WORKERS: a standing group of this many prestarted one-CPU worker processes (torch "
         "and the engine imported) that CPU runs on one node start in, re-meshed in place, instead of a new Ray Train "
-        "worker group (seconds instead of Ray Train's start); idle workers reserve no CPU. 0: off.",
+        "worker group (seconds instead of Ray Train's start); idle workers reserve no CPU or GPU, and hold a few hundred MB "
+        "each. 0: off.",
     )
     warm_max_idle_groups: int = Field(
         2, ge=1, le=16, description="Idle warm worker groups kept (the memory they hold is bounded by this)."

@@ -39,6 +39,9 @@ PGID_FILE = Path("/tmp/meshrun-test-ray.pgids")
 # Starlette's TestClient addresses the app as "testserver": allowed explicitly, like a deployment names its hosts
 # (service.security.hosts refuses every other non-loopback name)
 os.environ.setdefault("MESHRUN_ALLOWED_HOSTS", "testserver")
+# services started by tests keep no warm pool (each would start a Ray Job of prestarted workers) unless they ask for
+# one: the session's shared live service does (``live_service``), so most Ray end-to-end runs start warm
+os.environ.setdefault("MESHRUN_WARM_WORKERS", "0")
 logger = logging.getLogger("meshrun.tests")
 
 
@@ -388,7 +391,7 @@ def stop_live_service(svc: LiveService) -> None:
 @pytest.fixture(scope="session")
 def live_service(ray_cluster: RayTestCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveService]:
     data_dir = tmp_path_factory.mktemp("meshrun-live")
-    svc = start_live_service(ray_cluster=ray_cluster, data_dir=data_dir)
+    svc = start_live_service(ray_cluster=ray_cluster, data_dir=data_dir, warm_workers=2)
     try:
         yield svc
     finally:

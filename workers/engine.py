@@ -55,6 +55,9 @@ class WorkerJob:
     resume_from: str | None = None  # a checkpoint dir to load before training
     state_dir: str | None = None  # "where am I" files rank<r>.json and stack dumps rank<r>.stacks.txt
     profile_dir: str | None = None  # profiles go to f"{profile_dir}/steps_<first>-<last>/"
+    # rank 0 keeps checkpoint.keep in checkpoint_dir; False: whoever lists them prunes (a warm run's driver, whose
+    # checkpoint_dir is the run's storage, prunes only what it recorded, as for Ray Train's uploaded copies)
+    prune: bool = True
 
 
 @dataclass

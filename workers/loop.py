@@ -275,7 +275,7 @@ def listed(e: Engine, hooks: Hooks) -> Callable[[int, str], None]:
 
     def done(step: int, path: str) -> None:
         e.last_checkpoint = path
-        if dist.get_rank() == 0 and e.job.checkpoint_dir:
+        if dist.get_rank() == 0 and e.job.checkpoint_dir and e.job.prune:
             prune_checkpoints(e.job.checkpoint_dir, e.spec.checkpoint.keep)
         log.info("checkpoint of step %d at %s", step, path)
         if hooks.on_checkpoint is not None:

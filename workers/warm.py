@@ -132,6 +132,7 @@ class WarmWorker:
                 resume_from=cfg.get("resume_from"),
                 state_dir=str(Path(cfg.get("state_root") or root / "state") / f"a{attempt}"),
                 profile_dir=str(Path(cfg.get("profile_root") or root / "profiles") / f"a{attempt}"),
+                prune=scratch,  # a run's checkpoints are pruned by its driver, once recorded
             )
             summary = train_job(job, hooks) or {}
         finally:

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.ray
 def test_run_succeeds_beside_another_ray_head(live_service, small_head: Head) -> None:  # noqa: F811
     assert small_head.address != live_service.runtime.gcs_address
     url = live_service.url
-    run = submit(url, tiny_spec("lane-dp2", dp=2, steps=4))
+    # a Ray Train worker group (not the warm pool): its placement-group cleaner is what used to pick another cluster
+    run = submit(url, tiny_spec("lane-dp2", dp=2, steps=4, resources={"warm_start": False}))
     done = wait_for(url, run["id"], {"SUCCEEDED"}, timeout_s=300)
     logs = httpx.get(f"{url}/v1/runs/{run['id']}/logs", timeout=30).json()["logs"]
     assert "multiple active Ray instances" not in logs, logs[-3000:]

@@ -58,7 +58,7 @@ def _losses(url: str, run_id: str) -> list[float]:
 
 def test_a_run_starts_in_the_warm_pool_and_trains_what_a_cold_run_trains(warm_service) -> None:
     url = warm_service.url
-    spec = tiny_spec("warm-run", dp=2, steps=6, checkpoint={"every_steps": 3})
+    spec = tiny_spec("warm-run", dp=2, steps=6, checkpoint={"every_steps": 2, "keep": 2})
     first = submit(url, spec)
     done = wait_for(url, first["id"], {"SUCCEEDED"}, timeout_s=240)
     assert done["attempts"] == 1
@@ -69,9 +69,10 @@ def test_a_run_starts_in_the_warm_pool_and_trains_what_a_cold_run_trains(warm_se
     assert not any(p.startswith("placing ") for p in phases), phases  # no Ray Train worker group
     assert [r["step"] for r in metrics(url, first["id"])] == list(range(1, 7))
     cks = httpx.get(f"{url}/v1/runs/{first['id']}/checkpoints", timeout=30).json()["items"]
-    assert sorted(c["step"] for c in cks) == [3, 6], cks
+    assert sorted(c["step"] for c in cks) == [4, 6], cks  # keep 2: the driver pruned step 2 once it recorded 6
     for c in cks:
         assert c["path"].endswith(f"-warm/step_{c['step']:08d}") and (Path(c["path"]) / "meshrun.json").is_file()
+    assert not (Path(cks[0]["path"]).parent / "step_00000002").exists()
 
     # the same spec in a new Ray Train worker group: the same losses, bit for bit
     cold = submit(url, {**spec, "name": "cold-run", "resources": {**spec["resources"], "warm_start": False}})
