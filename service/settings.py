@@ -153,8 +153,8 @@ class Settings(BaseSettings):
         le=64,
         description="MESHRUN_WARM_WORKERS: a standing group of this many prestarted one-CPU worker processes (torch "
         "and the engine imported) that CPU runs on one node start in, re-meshed in place, instead of a new Ray Train "
-        "worker group (seconds instead of Ray Train's start); idle workers reserve no CPU or GPU, and hold a few hundred MB "
-        "each. 0: off.",
+        "worker group (seconds instead of Ray Train's start); idle workers reserve no CPU or GPU, and hold a few "
+        "hundred MB each. 0: off.",
     )
     warm_max_idle_groups: int = Field(
         2, ge=1, le=16, description="Idle warm worker groups kept (the memory they hold is bounded by this)."

@@ -53,6 +53,7 @@ class RayHealth:
     checked_at: float
 
 
+FAST_ADMIT_S = 0.2  # admission passes between full ticks while a sweep runs
 CALIBRATE_EVERY_S = 60.0  # at most this often: fit the planner to newly finished runs (settings.calibrate_from_runs)
 
 
@@ -74,6 +75,7 @@ class Runtime:
         self._health_lock = threading.Lock()
         self._calibrated_at = 0.0
         self.warm: WarmHost | None = None
+        self._sweeps_running = False  # the last tick saw a running sweep: admission passes in between (``_loop``)
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -115,13 +117,32 @@ class Runtime:
         self.ray_cluster.stop()
 
     def _loop(self) -> None:
+        """A full tick every ``scheduler_interval_s`` (or when woken); while a sweep runs, admission passes alone
+        every FAST_ADMIT_S between them: its next trial's run waits for admission, and that wait is part of the gap
+        between two trials."""
         interval = float(self.settings.scheduler_interval_s)
+        next_full = 0.0
         while not self._stop.is_set():
-            self._wake.wait(interval)
+            fast = self._sweeps_running and FAST_ADMIT_S < interval
+            woken = self._wake.wait(FAST_ADMIT_S if fast else interval)
             self._wake.clear()
             if self._stop.is_set():
                 break
+            if fast and not woken and time.monotonic() < next_full:
+                self.admit_only()
+                continue
             self.tick()
+            next_full = time.monotonic() + interval
+
+    def admit_only(self) -> None:
+        """One admission pass (no reconcile): queued runs only, nothing else is looked at."""
+        if self.scheduler is None:
+            return
+        with self._tick_lock:
+            try:
+                self.scheduler.admit()
+            except Exception:
+                logger.debug("admission pass failed (the next full tick logs it)", exc_info=True)
 
     def tick(self) -> None:
         """One admission + reconcile pass for runs and sweeps (also callable from tests)."""
@@ -136,6 +157,10 @@ class Runtime:
             try:
                 sweeps.reconcile_sweeps(self)
                 sweeps.start_queued_sweeps(self)
+                with session_scope(self.factory) as s:
+                    self._sweeps_running = bool(
+                        sweeps.sweeps_in(s, statuses=[sweeps.SweepStatus.RUNNING], with_job=True)
+                    )
             except Exception:
                 logger.exception("sweep reconcile/admission failed")
         if self.settings.calibrate_from_runs and time.monotonic() - self._calibrated_at >= CALIBRATE_EVERY_S:

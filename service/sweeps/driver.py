@@ -47,6 +47,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.spec import RunStatus, SweepCreate
 from service import store
+from service.cluster.jobs import open_channel
 from service.runs.lifecycle import Outcome, RunLifecycle
 from service.runs.preemption import preemption_reason
 from service.runs.tracking import track_run
@@ -181,6 +182,7 @@ def run_trial(config: dict[str, Any]) -> None:
     if tr is None:
         tune.report({METRIC: 0.0, TIME_ATTR: 0, "final": True, "failed": True, "not_run": True})
         return
+    open_channel(tr.run_id, 1)  # its process starts while the trial waits (``life.channel`` takes this one)
     admitted = wait_for_admission(factory, tr.run_id)  # the scheduler's queue, like every run
     if admitted != RunStatus.STARTING:  # ended while queued (its sweep or the run cancelled)
         m = conclude_trial(factory, tr, Outcome(None, f"ended while queued ({admitted.value})"), external=admitted)

@@ -130,7 +130,7 @@ def prepare_trial_run(
 
 
 def wait_for_admission(
-    factory: sessionmaker[Session], run_id: str, *, poll_s: float = 0.5, timeout_s: float | None = None
+    factory: sessionmaker[Session], run_id: str, *, poll_s: float = 0.1, timeout_s: float | None = None
 ) -> RunStatus:
     """Until the scheduler admits the trial's run (STARTING) or it ends (a cancel). Returns that status; QUEUED
     after ``timeout_s`` (None: no bound: the queue decides)."""
