@@ -8,7 +8,7 @@ workers.
 
 One Ray head and one meshrun service with a warm pool of ``--workers`` workers (``MESHRUN_WARM_WORKERS``) start
 first (not timed; the bench waits until the pool's group is up). Then each round, in rotating order, never
-together:
+together, ``--pause`` seconds apart (the last run's processes exit before the next is timed):
 
 - meshrun warm: ``POST /v1/runs`` (tiny GPT, ``--workers`` data-parallel CPU workers, 3 steps) until the first
   metric row's time, the run starting in the service's warm pool; the run's phase events say where the time went;
@@ -71,6 +71,8 @@ def run_meshrun(url: str, workers: int, warm: bool = True) -> tuple[float, list[
             break
         run = httpx.get(f"{url}/v1/runs/{run_id}", timeout=30).json()
         if run["status"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
+            if httpx.get(f"{url}/v1/runs/{run_id}/metrics", timeout=30).json()["items"]:
+                continue  # its rows and its end were written between the two reads: the next pass reads them
             raise SystemExit(f"meshrun run {run_id} ended {run['status']} before a step: {run.get('status_reason')}")
         time.sleep(0.2)
     phases = [
@@ -141,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dashboard-url")
     ap.add_argument("--num-cpus", type=int, default=None, help="CPU slots of the local head (default: meshrun's)")
     ap.add_argument("--no-warm", action="store_true", help="no warm pool: meshrun cold vs bare only")
+    ap.add_argument("--pause", type=float, default=10.0, help="seconds between two measurements (teardown settles)")
     ap.add_argument("--bare-driver", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -175,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.repeats):
             order = kinds[i % len(kinds) :] + kinds[: i % len(kinds)]
             for which in order:
+                time.sleep(args.pause)  # the last run's processes exit before the next is timed
                 load.append(os.getloadavg()[0])
                 if which == "bare":
                     times[which].append(run_bare(dash, gcs, args.workers, tmp))

@@ -19,7 +19,9 @@ Its actor reserves no CPU or GPU: the job's placement group (created by whoever 
 holds the resources while a job trains, so an idle warm worker holds only its memory. CPU only for now (a GPU
 worker would need its device chosen per job).
 
-Imports ray and torch only (no fastapi, no sqlalchemy).
+Imports ray at import time, torch only in the actor's own process: a driver that receives WarmWorker handles (a run
+driver taking a group from the pool) deserializes them by importing this module, and must not pay torch's import for
+it (1.5-2 s here).
 """
 
 from __future__ import annotations
@@ -38,8 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import ray
-import torch
-import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ class WarmWorker:
         # the engine and the run channel's hooks (with ray.train), imported once per process: the warm part; with the
         # parts of torch the engine imports only for some layouts (pipelining, ZeRO: 0.4 s and 0.2 s here), so that no
         # job pays them
+        import torch
         import torch.distributed.optim
         import torch.distributed.pipelining
 
@@ -76,6 +77,8 @@ class WarmWorker:
     def endpoint(self, world_size: int) -> tuple[str, int]:
         """Rank 0's rendezvous for the next job: a new TCP store served from this worker (listening before any
         other rank connects, so none of them waits in a connect retry), its IP and port."""
+        import torch.distributed as dist
+
         self._settled()
         ip = ray.util.get_node_ip_address()
         self.store = dist.TCPStore(ip, 0, world_size, is_master=True, wait_for_workers=False)
@@ -83,6 +86,8 @@ class WarmWorker:
 
     def train(self, cfg: dict[str, Any]) -> dict[str, Any]:
         """One job as ``cfg["rank"]``; returns this worker's part of the result (rank 0: the summary)."""
+        import torch.distributed as dist
+
         from api.spec import Plan, RunSpec
         from workers.engine import WorkerJob
         from workers.loop import train_job
@@ -160,6 +165,9 @@ class WarmWorker:
     def _reset(self) -> None:
         """Nothing of this job may reach the next: its process group and every sub-group and mesh, compiled
         graphs, the job's objects; the default RNG and thread count back to a fresh worker's."""
+        import torch
+        import torch.distributed as dist
+
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
