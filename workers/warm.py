@@ -32,12 +32,13 @@ import gc
 import logging
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import ray
 
@@ -118,8 +119,11 @@ class WarmWorker:
             store = dist.TCPStore(str(cfg["master_addr"]), int(cfg["master_port"]), world, is_master=False)
         dist.init_process_group(backend=None, store=store, rank=rank, world_size=world, timeout=timeout)
         self.store = None  # this job's store: nothing of it serves the next one
-        NOTICE.reset()  # SIGTERM while this job trains = a preemption notice, as in a Ray Train worker
-        if not install(NOTICE):
+        # a run's job: SIGTERM while it trains = a preemption notice, as in a Ray Train worker; the handler is taken
+        # off again after the job, so that between jobs (and for sweep trials) SIGTERM keeps Ray's meaning
+        before = signal.getsignal(signal.SIGTERM)
+        NOTICE.reset()
+        if not scratch and not install(NOTICE):
             log.warning("rank %d: no preemption handler (not the actor's main thread); SIGTERM ends this worker", rank)
         try:
             me = {**self.info(), "rank": rank, "local_rank": int(cfg.get("local_rank", 0))}
@@ -136,6 +140,8 @@ class WarmWorker:
             if rank == 0:
                 rows = RowSink(channel, attempt, _publisher(run_id, cfg.get("run_name") or run_id, rank))
             hooks = channel_hooks(channel, attempt, rank, rows)
+            if hooks.control is not None:
+                hooks = dataclasses.replace(hooks, control=_orphan_stop(channel))
             if not scratch:
                 hooks = dataclasses.replace(hooks, on_checkpoint=_listed(channel, attempt, rank, rows))
             job = WorkerJob(
@@ -152,6 +158,8 @@ class WarmWorker:
             summary = train_job(job, hooks) or {}
         finally:
             NOTICE.finish()  # a SIGTERM between jobs is no preemption notice
+            if not scratch and before is not None and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, before)
             if rows is not None:
                 rows.flush()
             self._reset()
@@ -202,3 +210,22 @@ def _listed(channel: Any, attempt: int, rank: int, rows: Any) -> Any:
         channel.checkpoint.remote({"step": int(step), "path": str(path), "attempt_reported": attempt})
 
     return on_checkpoint
+
+
+def _orphan_stop(channel: Any) -> Any:
+    """Rank 0's ``control`` poll in a warm worker (``channel_hooks``' poll, and one more case): a channel that died
+    (its driver was killed, or stopped before it could release this group) stops the job. A Ray Train worker ends with
+    its driver's job; a warm worker belongs to the pool and would otherwise train an orphaned job to its end on CPUs
+    nobody reserves any more."""
+
+    def poll() -> dict[str, Any] | None:
+        try:
+            return cast(dict[str, Any], ray.get(channel.control.remote(), timeout=10))
+        except ray.exceptions.ActorDiedError:
+            log.warning("the run's channel is gone (its driver ended): this job stops")
+            return {"stop": True}
+        except Exception as e:  # a slow or lost channel must not stop training
+            log.warning("run channel control poll failed: %s", e)
+            return None
+
+    return poll

@@ -169,6 +169,7 @@ def warm_fit(
         raise NotOneNode(f"the placement group spread the {plan.world_size} workers over {len(set(nodes))} nodes")
     healthy = False
     gid = -1
+    workers: list[Any] = []
     try:
         threads = max(1, int(worker_resources(plan).get("CPU", 1)))
         got = cast(tuple[int, list[Any], int, bool], ray.get(pool.acquire.remote(nodes, threads), timeout=300))
@@ -209,7 +210,13 @@ def warm_fit(
         healthy = True
         return dict(out)
     finally:
+        if gid >= 0 and not healthy:  # failed, abandoned, or this driver is stopping (a cancel): its workers go now
+            for w in workers:
+                with contextlib.suppress(Exception):
+                    ray.kill(w)
         if gid >= 0:
             with contextlib.suppress(Exception):
-                pool.release.remote(gid, healthy)
+                release = pool.release.remote(gid, healthy)
+                if not healthy:
+                    ray.get(release, timeout=10)  # delivered before a stopping driver exits
         remove_placement_group(pg)

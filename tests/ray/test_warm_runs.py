@@ -1,9 +1,9 @@
 """Runs on a warm service (``MESHRUN_WARM_WORKERS``) through REST on the session's Ray cluster: the service prestarts
 one group of worker processes in a Ray Job of its own, a run starts in it (no worker start: a phase says so) and
 trains exactly what the same spec trains in a new Ray Train worker group (the same losses, bit for bit), its
-checkpoints are listed and on disk, the next run re-meshes the same processes, and a worker killed mid-run fails
-only that attempt: the run restarts as a Ray Train worker group from its latest checkpoint and SUCCEEDS with every
-step once. Stopping the service stops its pool's job."""
+checkpoints are listed and on disk, the next run re-meshes the same processes, a worker killed mid-run fails only
+that attempt (the run restarts as a Ray Train worker group from its latest checkpoint and SUCCEEDS with every step
+once), and a cancel stops the run's warm workers. Stopping the service stops its pool's job."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import pytest
 
 from tests.conftest import start_live_service, stop_live_service
 from tests.ray.helpers import events, metrics, submit, tiny_spec, wait_for, wait_for_step
+from tests.ray.test_runs import gone
 
 pytestmark = pytest.mark.ray
 STEPS = 400  # tiny steps take tens of ms: enough of them to kill a worker mid-run
@@ -104,3 +105,16 @@ def test_a_killed_warm_worker_restarts_the_run_as_a_ray_train_group_from_its_che
     steps = [r["step"] for r in metrics(url, run["id"])]
     assert steps == list(range(1, STEPS + 1)), steps  # every step once: the restart resumed from a checkpoint
     assert any(e["kind"] == "phase" and e["reason"].startswith("placing ") for e in events(url, run["id"]))
+
+
+def test_a_cancelled_warm_run_stops_its_workers(warm_service) -> None:
+    url = warm_service.url
+    run = submit(url, tiny_spec("warm-cancel", dp=2, steps=STEPS))
+    wait_for_step(url, run["id"], 20, timeout_s=240)
+    pids = _placements(url, run["id"])[0]
+    r = httpx.post(f"{url}/v1/runs/{run['id']}/cancel", timeout=60)
+    assert r.status_code == 200 and r.json()["status"] == "CANCELLED", r.text
+    assert gone(pids, timeout_s=30) == [], "the cancelled run's warm workers still run"
+    rows = len(metrics(url, run["id"]))
+    time.sleep(2)
+    assert len(metrics(url, run["id"])) == rows < STEPS  # nothing trains on
