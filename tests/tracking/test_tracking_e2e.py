@@ -21,7 +21,9 @@ def test_a_run_logs_to_tensorboard_and_to_an_mlflow_server_that_comes_back(live_
 
     url = live_service.url
     proxy = Forwarder(int(mlflow_server.rsplit(":", 1)[1]))
-    spec = tiny_spec("tracked-e2e", steps=STEPS, tracking={
+    # a Ray Train start (not the warm pool's seconds): the driver notices the outage before the run ends, as the
+    # test needs (an outage first noticed after the end is only in the driver's log: README, Known limits)
+    spec = tiny_spec("tracked-e2e", steps=STEPS, resources={"warm_start": False}, tracking={
         "tensorboard": True, "mlflow": {"tracking_uri": proxy.url, "experiment": "meshrun-e2e"}})
     run = submit(url, spec)
     try:
