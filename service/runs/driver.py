@@ -38,7 +38,7 @@ from service.cluster.placement import Placement
 from service.runs.disk_full import is_disk_full, retry_after_disk_full
 from service.runs.inspect import InspectionFailed, describe, inspect_in_driver
 from service.runs.lifecycle import Outcome, RunLifecycle, failure_text, one_sentence
-from service.runs.naming import train_run_name
+from service.runs.naming import RunStart, train_run_name
 from service.runs.preemption import preemption_reason, watch_preempt_requests
 from service.runs.tracking import track_run
 from service.runs.warm_start import NotOneNode, cold_reason, fit_warm, record_failure, restarts_left, warm_pool
@@ -264,70 +264,35 @@ def _run_replicas(spec: RunSpec, plan: Plan, channel: Any, ckpt_dir: str | None)
     ray.get(channel.done.remote(summary))
 
 
-def _fit_group(
-    life: RunLifecycle,
-    channel: Any,
-    *,
-    run_id: str,
-    run_name: str,
-    resume_from: str | None,
-    spec: RunSpec,
-    plan: Plan,
-    placement: Placement | None,
-    settings: Settings,
-    train_run_name: str,
-) -> None:
+def _fit_group(life: RunLifecycle, start: RunStart) -> None:
     """Group mode: in the service's warm pool when the run can start there (``service.runs.warm_start``), else, or
     after a failure there (one of ``max_failures``, from the latest checkpoint), a new Ray Train worker group. Ray
     Train (and torch with it) is imported only then: a warm run's driver starts without either."""
     max_failures: int | None = None
-    why = cold_reason(spec, plan, placement)
+    why = cold_reason(start.spec, start.plan, start.placement)
     pool = warm_pool() if why is None else None
     if pool is not None:
         try:
-            fit_warm(
-                life,
-                pool,
-                run_id=run_id,
-                run_name=run_name,
-                spec=spec,
-                plan=plan,
-                placement=placement,
-                channel=channel,
-                settings=settings,
-                train_run_name=train_run_name,
-                resume_from=resume_from,
-            )
+            fit_warm(life, pool, start)
             return
         except NotOneNode as e:
-            logger.info("run %s: %s; it starts a Ray Train worker group instead", run_id, e)
+            logger.info("run %s: %s; it starts a Ray Train worker group instead", start.run_id, e)
         except Exception as e:
-            logger.exception("run %s: the attempt in the warm pool failed", run_id)
-            record_failure(channel, e)
-            max_failures = restarts_left(spec.resources.max_failures)
+            logger.exception("run %s: the attempt in the warm pool failed", start.run_id)
+            record_failure(start.channel, e)
+            max_failures = restarts_left(start.spec.resources.max_failures)
             if max_failures is None:
                 raise
-            life.recorder.drain(channel)  # its checkpoints recorded: resume from the latest
+            life.recorder.drain(start.channel)  # its checkpoints recorded: resume from the latest
             with session_scope(life.factory) as s:
-                ck = store.latest_checkpoint(s, run_id=run_id)
-                resume_from = ck.path if ck is not None else resume_from
+                ck = store.latest_checkpoint(s, run_id=start.run_id)
+            start = start.resuming(ck.path if ck is not None else None)
     elif why is not None and os.environ.get(WARM_POOL_ENV):
-        logger.info("run %s starts a Ray Train worker group: %s", run_id, why)
+        logger.info("run %s starts a Ray Train worker group: %s", start.run_id, why)
     from service.runs.trainer import build_trainer, placing_phase
 
-    life.phase(placing_phase(plan))
-    build_trainer(
-        run_id=run_id,
-        run_name=run_name,
-        resume_from=resume_from,
-        spec=spec,
-        plan=plan,
-        placement=placement,
-        channel=channel,
-        settings=settings,
-        train_run_name=train_run_name,
-        max_failures=max_failures,
-    ).fit()
+    life.phase(placing_phase(start.plan))
+    build_trainer(start, max_failures=max_failures).fit()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -394,18 +359,8 @@ def main(argv: list[str] | None = None) -> int:
                 elif spec.fault_tolerance.mode == "replica":
                     _run_replicas(spec, plan, channel, _actor_checkpoint_dir(spec, settings, run_id, "replica"))
                 else:
-                    _fit_group(
-                        life,
-                        channel,
-                        run_id=run_id,
-                        run_name=run_name,
-                        resume_from=resume_from,
-                        spec=spec,
-                        plan=plan,
-                        placement=placement,
-                        settings=settings,
-                        train_run_name=name,
-                    )
+                    start = RunStart(run_id, run_name, spec, plan, placement, channel, settings, name, resume_from)
+                    _fit_group(life, start)
                 outcome = Outcome.succeeded()
             except Exception as e:
                 logger.exception("training failed")

@@ -1,12 +1,17 @@
 """Names and places of a run's Ray Train run that the run driver needs without importing Ray Train (and torch): a
-warm run's driver never does (``service.runs.warm_start``)."""
+warm run's driver never does (``service.runs.warm_start``), and ``RunStart``, what both starters of a run's workers
+take (the warm pool's ``fit_warm`` and Ray Train's ``build_trainer``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from api.spec import RunSpec
+from api.spec import Plan, RunSpec
+from service.cluster.placement import Placement
 from service.settings import Settings
 
 TORCH_TIMEOUT_S = int(os.environ.get("MESHRUN_TORCH_TIMEOUT_S", "120"))
@@ -26,3 +31,33 @@ def run_storage(spec: RunSpec, settings: Settings) -> str:
         storage = str(local if local.is_absolute() else Path(settings.data_dir) / local)
         Path(storage).mkdir(parents=True, exist_ok=True)
     return storage
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """One attempt's start of a run's workers, built once by its driver (a run's or a sweep trial's) and taken as it
+    is by the warm pool (``service.runs.warm_start.fit_warm``) or by Ray Train (``service.runs.trainer.build_trainer``).
+    ``placement`` is None for a sweep trial (the plan's worker resources place it)."""
+
+    run_id: str
+    run_name: str
+    spec: RunSpec
+    plan: Plan
+    placement: Placement | None
+    channel: Any  # the run channel's ActorHandle
+    settings: Settings
+    train_run_name: str
+    resume_from: str | None = None
+
+    @property
+    def fitted(self) -> Placement | None:
+        """The placement when it fits the cluster (its workers' resources, strategy and node pinning), else None."""
+        return self.placement if self.placement is not None and self.placement.fits else None
+
+    @property
+    def storage(self) -> str:
+        return run_storage(self.spec, self.settings)
+
+    def resuming(self, path: str | None) -> RunStart:
+        """The same start from checkpoint ``path`` (a restart after a failed attempt); None keeps ``resume_from``."""
+        return self if path is None else dataclasses.replace(self, resume_from=path)

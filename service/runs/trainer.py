@@ -24,13 +24,12 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.v2._internal.execution.context import TrainRunContext  # the type UserCallback's hooks name
 from ray.train.v2.api.config import FailureConfig  # Train V2 (the default): has controller_failure_limit
 
-from api.spec import Plan, RunSpec
+from api.spec import Plan
 from service.cluster.jobs import format_worker_exceptions
 from service.cluster.placement import Placement, slot_description, worker_resources
-from service.runs.naming import TORCH_TIMEOUT_S, run_storage, train_run_name
+from service.runs.naming import TORCH_TIMEOUT_S, RunStart, run_storage, train_run_name
 
 __all__ = ["TORCH_TIMEOUT_S", "build_trainer", "placing_phase", "run_storage", "train_run_name"]
-from service.settings import Settings
 
 RUN_START_RETRIES = 2
 
@@ -42,8 +41,8 @@ def placing_phase(plan: Plan) -> str:
 
 
 def scaling_config(plan: Plan, placement: Placement | None) -> ScalingConfig:
-    """The placement's workers and node pinning, or (no placement: a sweep trial) the plan's worker resources."""
-    if placement is not None and placement.fits:
+    """A fitting placement's workers and node pinning, or (None: a sweep trial) the plan's worker resources."""
+    if placement is not None:
         return ScalingConfig(**placement.scaling_kwargs())
     res = worker_resources(plan)
     return ScalingConfig(
@@ -54,32 +53,21 @@ def scaling_config(plan: Plan, placement: Placement | None) -> ScalingConfig:
     )
 
 
-def build_trainer(
-    *,
-    run_id: str,
-    run_name: str,
-    resume_from: str | None,
-    spec: RunSpec,
-    plan: Plan,
-    placement: Placement | None,
-    channel: ActorHandle,
-    settings: Settings,
-    train_run_name: str,
-    stoppable: bool = False,
-    max_failures: int | None = None,
-) -> TorchTrainer:
+def build_trainer(start: RunStart, *, stoppable: bool = False, max_failures: int | None = None) -> TorchTrainer:
+    """The run's Ray Train trainer; ``max_failures`` None: the spec's (a restart after a failed warm attempt passes
+    what is left)."""
     from workers.ray_worker import train_loop_per_worker
 
-    scaling = scaling_config(plan, placement)
-    storage = run_storage(spec, settings)
+    scaling = scaling_config(start.plan, start.fitted)
+    spec = start.spec
     config = {
-        "run_id": run_id,
-        "run_name": run_name,
+        "run_id": start.run_id,
+        "run_name": start.run_name,
         "spec": spec.model_dump(mode="json"),
-        "plan": plan.model_dump(mode="json"),
-        "channel": channel,
-        "resume_from": resume_from,
-        "local_checkpoint_root": str(Path(settings.data_dir) / "tmp"),
+        "plan": start.plan.model_dump(mode="json"),
+        "channel": start.channel,
+        "resume_from": start.resume_from,
+        "local_checkpoint_root": str(Path(start.settings.data_dir) / "tmp"),
     }
     return _Trainer(
         train_loop_per_worker,
@@ -87,8 +75,8 @@ def build_trainer(
         scaling_config=scaling,
         torch_config=TorchConfig(backend="nccl" if scaling.use_gpu else "gloo", timeout_s=TORCH_TIMEOUT_S),
         run_config=RunConfig(
-            name=train_run_name,
-            storage_path=storage,
+            name=start.train_run_name,
+            storage_path=start.storage,
             # a worker group that cannot start (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, 60 s) is a controller
             # failure, retried forever by default: a sweep trial fails at once with that reason, a run retries twice
             failure_config=FailureConfig(
@@ -99,7 +87,7 @@ def build_trainer(
             # (service.runs.lifecycle.Recorder._prune_checkpoints)
             checkpoint_config=CheckpointConfig(num_to_keep=None),
             # a Train V2 UserCallback; RunConfig's annotation still names the Tune callback base
-            callbacks=[ChannelCallback(channel)],  # type: ignore[list-item]
+            callbacks=[ChannelCallback(start.channel)],  # type: ignore[list-item]
         ),
     )
 

@@ -31,8 +31,7 @@ from service.cluster.env import WARM_POOL_ENV
 from service.cluster.placement import Placement
 from service.cluster.warm import WARM_NAMESPACE, NotOneNode, usable, warm_fit
 from service.runs.lifecycle import RunLifecycle
-from service.runs.naming import TORCH_TIMEOUT_S, run_storage
-from service.settings import Settings
+from service.runs.naming import TORCH_TIMEOUT_S, RunStart
 
 logger = logging.getLogger(__name__)
 
@@ -63,30 +62,16 @@ def warm_pool() -> ActorHandle | None:
         return None
 
 
-def fit_warm(
-    life: RunLifecycle,
-    pool: ActorHandle,
-    *,
-    run_id: str,
-    run_name: str,
-    spec: RunSpec,
-    plan: Plan,
-    placement: Placement | None,
-    channel: ActorHandle,
-    settings: Settings,
-    train_run_name: str,
-    resume_from: str | None,
-) -> None:
+def fit_warm(life: RunLifecycle, pool: ActorHandle, start: RunStart) -> None:
     """Train the run in a warm group of ``pool``; raises ``NotOneNode`` (nothing trained) or a worker's error."""
-    storage = run_storage(spec, settings)
-    tmp = Path(settings.data_dir) / "tmp"
+    tmp = Path(start.settings.data_dir) / "tmp"
     files = {
-        "checkpoint_dir": str(Path(storage) / f"{train_run_name}-warm"),
-        "resume_from": resume_from,
-        "state_root": str(tmp / "meshrun-state" / run_id),
-        "profile_root": str(tmp / "meshrun-profiles" / run_id),
+        "checkpoint_dir": str(Path(start.storage) / f"{start.train_run_name}-warm"),
+        "resume_from": start.resume_from,
+        "state_root": str(tmp / "meshrun-state" / start.run_id),
+        "profile_root": str(tmp / "meshrun-profiles" / start.run_id),
     }
-    w = plan.world_size
+    w = start.plan.world_size
 
     def on_group(gid: int, jobs: int, new: bool) -> None:
         if new:
@@ -97,19 +82,19 @@ def fit_warm(
                 "this run): no worker start"
             )
 
-    fits = placement is not None and placement.fits
+    fitted = start.fitted
     warm_fit(
         pool=pool,
-        run_id=run_id,
-        run_name=run_name,
-        spec_json=spec.model_dump(mode="json", by_alias=True),
-        plan=plan,
-        channel=channel,
+        run_id=start.run_id,
+        run_name=start.run_name,
+        spec_json=start.spec.model_dump(mode="json", by_alias=True),
+        plan=start.plan,
+        channel=start.channel,
         cancel=threading.Event(),
         on_group=on_group,
         timeout_s=float(TORCH_TIMEOUT_S),
-        bundle=dict(placement.resources_per_worker) if fits and placement is not None else None,
-        strategy=placement.placement_strategy if fits and placement is not None else None,
+        bundle=dict(fitted.resources_per_worker) if fitted is not None else None,
+        strategy=fitted.placement_strategy if fitted is not None else None,
         files=files,
         one_node=True,
     )

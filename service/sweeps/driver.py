@@ -49,6 +49,7 @@ from api.spec import RunStatus, SweepCreate
 from service import store
 from service.cluster.jobs import open_channel
 from service.runs.lifecycle import Outcome, RunLifecycle
+from service.runs.naming import RunStart
 from service.runs.preemption import preemption_reason
 from service.runs.tracking import track_run
 from service.runs.trainer import build_trainer, placing_phase, train_run_name
@@ -228,18 +229,8 @@ def run_trial(config: dict[str, Any]) -> None:
                 if warm:
                     _warm_fit(life, tr, channel, cancel, config["sweep_id"])
                 else:
-                    build_trainer(
-                        run_id=tr.run_id,
-                        run_name=tr.run_name,
-                        resume_from=None,
-                        spec=tr.spec,
-                        plan=tr.plan,
-                        placement=None,
-                        channel=channel,
-                        settings=settings,
-                        train_run_name=name,
-                        stoppable=True,
-                    ).fit()
+                    start = RunStart(tr.run_id, tr.run_name, tr.spec, tr.plan, None, channel, settings, name)
+                    build_trainer(start, stoppable=True).fit()
                 box["ok"] = True
             except BaseException as e:
                 box["error"] = e

@@ -95,10 +95,17 @@ def test_layout_sweep_end_to_end(live_service, monkeypatch):
     # the best trial is the one with the highest measured objective
     best = max(ran, key=lambda t: t["measured_tokens_per_s"])
     assert done["best_trial"]["id"] == best["id"]
-    # the planner was calibrated on the measurements and got better on them
+    # the planner was calibrated on the measurements: it got better on them, and the fit is kept only where it also
+    # predicts the trials it did not see (leave-one-out); five tiny trials on a busy 2-core host may fail that check,
+    # and then the fit is stored as rejected with the held-out errors that say why
     cal = done["calibration"]
-    assert cal["status"] == "fitted" and cal["trials_used"] == len(ran)
+    assert cal["status"] in ("fitted", "rejected") and cal["trials_used"] == len(ran), cal
     assert cal["error_after"] <= cal["error_before"]
+    held = cal["held_out"]
+    if cal["status"] == "rejected":
+        assert held["fitted"] >= held["defaults"] and cal["rejected"].startswith("held-out error"), cal
+    else:
+        assert held["fitted"] < held["defaults"] and "rejected" not in cal, cal
     print(f"\nsweep {sw['id']}: best trial {best['id']} {best['layout']} mb {best['micro_batch_size']}; calibration "
           f"mean relative error {cal['error_before']:.1%} -> {cal['error_after']:.1%}, Spearman "
           f"{cal['rank_correlation_before']} -> {cal['rank_correlation']}")
