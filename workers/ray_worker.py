@@ -135,6 +135,37 @@ class RowSink:
             self.unpublished = None
 
 
+class ControlPoll:
+    """Rank 0's ``control()`` poll of the run channel, kept out of the step loop: each call returns the answer to the
+    previous poll if it has come (None while it is out, or when the channel failed to answer) and sends the next one;
+    a request (stop, preemption, profile) is seen one report later, and no report waits for the channel (it may
+    still be starting when a warm job begins, or be busy). ``stop_if_gone``: a channel that died (its driver was
+    killed) answers stop, for a warm worker that would otherwise train an orphaned job to its end."""
+
+    def __init__(self, channel: Any, *, stop_if_gone: bool = False) -> None:
+        self.channel = channel
+        self.stop_if_gone = stop_if_gone
+        self.pending: Any = None
+
+    def __call__(self) -> dict[str, Any] | None:
+        out: dict[str, Any] | None = None
+        if self.pending is not None:
+            ready, _ = ray.wait([self.pending], timeout=0)
+            if not ready:
+                return None  # still out: no second poll piles up behind it
+            try:
+                out = cast(dict[str, Any], ray.get(self.pending))
+            except ray.exceptions.ActorDiedError:
+                if self.stop_if_gone:
+                    logger.warning("the run's channel is gone (its driver ended): this job stops")
+                    return {"stop": True}
+                logger.warning("the run's channel is gone")
+            except Exception as e:  # a slow or lost channel must not stop training
+                logger.warning("run channel control poll failed: %s", e)
+        self.pending = self.channel.control.remote()
+        return out
+
+
 def channel_hooks(channel: Any, attempt: int, rank: int, rows: RowSink | None) -> Hooks:
     """This rank's callbacks, all through the run's channel actor (``service.cluster.jobs.RunChannel``; see the
     module docstring): rows (``rows``, rank 0), checkpoints to Ray Train, heartbeats, profiles, and rank 0's
@@ -162,17 +193,10 @@ def channel_hooks(channel: Any, attempt: int, rank: int, rows: RowSink | None) -
             name = f"profile/steps_{first:08d}-{last:08d}/{Path(path).name}"
             channel.artifact.remote(attempt, rank, name, Path(path).read_text())
 
-    def control() -> dict[str, Any] | None:
-        try:
-            return cast(dict[str, Any], ray.get(channel.control.remote(), timeout=10))
-        except Exception as e:  # a slow or lost channel must not stop training
-            logger.warning("run channel control poll failed: %s", e)
-            return None
-
     return Hooks(
         sink=rows,
         on_checkpoint=on_checkpoint,
-        control=control if rank == 0 else None,
+        control=ControlPoll(channel) if rank == 0 else None,
         on_state=on_state,
         on_profile=on_profile,
     )

@@ -5,15 +5,16 @@ trial) on it as rank ``cfg["rank"]`` of ``cfg["world_size"]``:
 
 1. a new default process group for this job only, on a new TCP store that rank 0 serves (``endpoint()``, a fresh
    port per job; gloo on CPU), so no communicator or store key of an earlier job is reused;
-2. the attempt registered with the job's run channel (rank -> node map, pids), as a Ray Train worker would;
+2. the attempt registered with the job's run channel (rank -> node map, pids), as a Ray Train worker would, under
+   the number its driver gave (``cfg["attempt"]``), without waiting for the channel, which may still be starting;
 3. ``workers.loop.train_job`` with the run channel's hooks (rows, heartbeats, stragglers, profiles, stop). A sweep
    trial checkpoints nowhere lasting (a scratch directory per rank, removed after it); a run gets ``checkpoint_dir``
    (one directory every rank writes into, on the run's storage: the ranks of a warm run share a node) and
    ``resume_from``, and rank 0 reports each complete checkpoint to the channel as Ray Train's callback would;
 4. whatever happens: the process group destroyed (every sub-group and device mesh with it), compiled graphs
    dropped (``torch._dynamo.reset``), the default RNG re-seeded and the thread count restored, and the job's objects
-   collected (in the background once the job returned; the next job waits for it), so nothing of one job leaks into
-   the next (the engine seeds every job from its spec anyway).
+   collected (what the imports made is frozen out of collections, ``gc.freeze``: the collection walks the job's
+   objects only), so nothing of one job leaks into the next (the engine seeds every job from its spec anyway).
 
 Its actor reserves no CPU or GPU: the job's placement group (created by whoever runs the job, on the same nodes)
 holds the resources while a job trains, so an idle warm worker holds only its memory. CPU only for now (a GPU
@@ -38,7 +39,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import ray
 
@@ -65,7 +66,9 @@ class WarmWorker:
         self.jobs = 0
         self.started = time.time()
         self.store: Any = None  # rank 0: the next job's rendezvous (``endpoint``)
-        self.collector: threading.Thread | None = None  # the last job's garbage collection
+        # what the imports made lives as long as the process: out of every later collection (``_reset``'s)
+        gc.collect()
+        gc.freeze()
 
     def info(self) -> dict[str, Any]:
         return {
@@ -80,7 +83,6 @@ class WarmWorker:
         other rank connects, so none of them waits in a connect retry), its IP and port."""
         import torch.distributed as dist
 
-        self._settled()
         ip = ray.util.get_node_ip_address()
         self.store = dist.TCPStore(ip, 0, world_size, is_master=True, wait_for_workers=False)
         return ip, int(self.store.port)
@@ -93,9 +95,8 @@ class WarmWorker:
         from workers.engine import WorkerJob
         from workers.loop import train_job
         from workers.preemption import NOTICE, install
-        from workers.ray_worker import RowSink, _gather_objects, _publisher, channel_hooks
+        from workers.ray_worker import ControlPoll, RowSink, _gather_objects, _publisher, channel_hooks
 
-        self._settled()
         rank, world = int(cfg["rank"]), int(cfg["world_size"])
         spec, plan = RunSpec.model_validate(cfg["spec"]), Plan.model_validate(cfg["plan"])
         channel, run_id = cfg["channel"], cfg["run_id"]
@@ -128,20 +129,19 @@ class WarmWorker:
         try:
             me = {**self.info(), "rank": rank, "local_rank": int(cfg.get("local_rank", 0))}
             ranks = _gather_objects(me)
-            attempt: int | None = None
+            attempt = int(cfg["attempt"])  # the driver's number for it: no rank waits for the channel
             if rank == 0:
                 cause = cfg.get("cause") or (
                     f"start in a warm worker group ({cfg.get('group', 'warm')}, job {self.jobs} of this worker)"
                 )
-                attempt = ray.get(channel.begin_attempt.remote({"ranks": ranks, "cause": cause}), timeout=60)
-            box: list[Any] = [attempt]
-            dist.broadcast_object_list(box, src=0)
-            attempt = int(box[0])
+                # not waited for: the channel actor may still be starting (about 1 s of every job's start here);
+                # what rank 0 sends it later (rows, checkpoints) is delivered after this, in order
+                channel.begin_attempt.remote({"ranks": ranks, "cause": cause, "attempt": attempt})
             if rank == 0:
                 rows = RowSink(channel, attempt, _publisher(run_id, cfg.get("run_name") or run_id, rank))
             hooks = channel_hooks(channel, attempt, rank, rows)
-            if hooks.control is not None:
-                hooks = dataclasses.replace(hooks, control=_orphan_stop(channel))
+            if hooks.control is not None:  # a warm job outlives no driver: a dead channel stops it
+                hooks = dataclasses.replace(hooks, control=ControlPoll(channel, stop_if_gone=True))
             if not scratch:
                 hooks = dataclasses.replace(hooks, on_checkpoint=_listed(channel, attempt, rank, rows))
             job = WorkerJob(
@@ -185,16 +185,9 @@ class WarmWorker:
             os.environ.pop(k, None)
         torch.manual_seed(0)
         torch.set_num_threads(self.threads)
-        # the job's cyclic garbage is collected after the job returned (a full collection takes about 0.5 s with a few
-        # workers on two cores: on the path from one job's last step to the next job's first if done here); the next
-        # job waits for it (``_settled``)
-        self.collector = threading.Thread(target=gc.collect, name="warm-gc", daemon=True)
-        self.collector.start()
-
-    def _settled(self) -> None:
-        if self.collector is not None:
-            self.collector.join()
-            self.collector = None
+        # the job's cyclic garbage (modules, optimizer state, hooks): a few tens of ms, the imports being frozen out
+        # of every collection (``__init__``); a full collection walked all of torch, about 0.5 s with the GIL held
+        gc.collect()
 
 
 def _listed(channel: Any, attempt: int, rank: int, rows: Any) -> Any:
@@ -210,22 +203,3 @@ def _listed(channel: Any, attempt: int, rank: int, rows: Any) -> Any:
         channel.checkpoint.remote({"step": int(step), "path": str(path), "attempt_reported": attempt})
 
     return on_checkpoint
-
-
-def _orphan_stop(channel: Any) -> Any:
-    """Rank 0's ``control`` poll in a warm worker (``channel_hooks``' poll, and one more case): a channel that died
-    (its driver was killed, or stopped before it could release this group) stops the job. A Ray Train worker ends with
-    its driver's job; a warm worker belongs to the pool and would otherwise train an orphaned job to its end on CPUs
-    nobody reserves any more."""
-
-    def poll() -> dict[str, Any] | None:
-        try:
-            return cast(dict[str, Any], ray.get(channel.control.remote(), timeout=10))
-        except ray.exceptions.ActorDiedError:
-            log.warning("the run's channel is gone (its driver ended): this job stops")
-            return {"stop": True}
-        except Exception as e:  # a slow or lost channel must not stop training
-            log.warning("run channel control poll failed: %s", e)
-            return None
-
-    return poll

@@ -73,8 +73,9 @@ class RunChannel:
         self.hang_text: str | None = None  # the driver's diagnosis of the current attempt's hang
 
     def begin_attempt(self, info: dict[str, Any]) -> int:
-        """Rank 0 calls this once per worker-group start; returns the attempt number."""
-        self.attempt += 1
+        """Rank 0 calls this once per worker-group start; returns the attempt number: the next one, or the one
+        ``info["attempt"]`` names (a warm job's, numbered by its driver so that no worker waits for this call)."""
+        self.attempt = int(info["attempt"]) if info.get("attempt") is not None else self.attempt + 1
         cause = info.get("cause") or (f"restart after failure: {self.last_error}" if self.last_error else "start")
         self.ranks = {int(r["rank"]): r for r in info.get("ranks", [])}
         self.states, self.hang_text = {}, None

@@ -158,11 +158,13 @@ def warm_fit(
     strategy: str | None = None,
     files: dict[str, Any] | None = None,
     one_node: bool = False,
+    attempt: int = 1,
 ) -> dict[str, Any]:
     """Train one job on a warm group of ``pool``; raises what a worker raised. ``on_group(group id, jobs it ran
     before, new?)`` once the group is known. ``cancel`` set: the job is abandoned and its group killed. ``files``:
     where the workers checkpoint and resume from (``workers.warm.WarmWorker.train``). ``one_node``: every rank must
-    land on one node (else ``NotOneNode`` before any worker is used)."""
+    land on one node (else ``NotOneNode`` before any worker is used). ``attempt``: the number the job registers with
+    ``channel`` (its workers do not wait for the channel to answer)."""
     pg, nodes = _place(plan, bundle, strategy)
     if one_node and len(set(nodes)) > 1:
         remove_placement_group(pg)
@@ -196,6 +198,7 @@ def warm_fit(
                 "run_name": run_name,
                 "group": f"group #{gid}",
                 "timeout_s": timeout_s,
+                "attempt": attempt,
                 **(files or {}),
             }
             refs.append(w.train.remote(cfg))

@@ -359,7 +359,9 @@ def main(argv: list[str] | None = None) -> int:
                 elif spec.fault_tolerance.mode == "replica":
                     _run_replicas(spec, plan, channel, _actor_checkpoint_dir(spec, settings, run_id, "replica"))
                 else:
-                    start = RunStart(run_id, run_name, spec, plan, placement, channel, settings, name, resume_from)
+                    start = RunStart(
+                        run_id, run_name, spec, plan, placement, channel, settings, name, resume_from, first_attempt
+                    )
                     _fit_group(life, start)
                 outcome = Outcome.succeeded()
             except Exception as e:

@@ -48,6 +48,7 @@ class RunStart:
     settings: Settings
     train_run_name: str
     resume_from: str | None = None
+    attempt: int = 1  # the number a warm start registers (its channel's first); Ray Train's workers take the next
 
     @property
     def fitted(self) -> Placement | None:

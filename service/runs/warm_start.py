@@ -97,6 +97,7 @@ def fit_warm(life: RunLifecycle, pool: ActorHandle, start: RunStart) -> None:
         strategy=fitted.placement_strategy if fitted is not None else None,
         files=files,
         one_node=True,
+        attempt=start.attempt,
     )
 
 

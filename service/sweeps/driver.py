@@ -47,7 +47,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.spec import RunStatus, SweepCreate
 from service import store
-from service.cluster.jobs import open_channel
+from service.cluster.jobs import open_channel, submission_number
 from service.runs.lifecycle import Outcome, RunLifecycle
 from service.runs.naming import RunStart
 from service.runs.preemption import preemption_reason
@@ -305,6 +305,7 @@ def _warm_fit(life: RunLifecycle, tr: TrialRun, channel: ActorHandle, cancel: th
         channel=channel,
         cancel=cancel,
         on_group=on_group,
+        attempt=1,  # the trial's channel opens at attempt 1 (``life.channel(first_attempt=1)``)
     )
 
 
@@ -322,13 +323,20 @@ def _job_id() -> str | None:
 
 
 def run_sweep(settings: Settings, sweep_id: str) -> str:
-    """Run the sweep's Tuner; returns how the Tuner ended ('done' | 'cancelled: ...')."""
+    """Run the sweep's Tuner; returns how the Tuner ended ('done' | 'cancelled: ...'), or 'superseded' (nothing run:
+    a later submission of the sweep is its job)."""
     factory = shared_sessionmaker(settings.database_url)
     job_id = _job_id()
     with session_scope(factory) as s:
         sweep = get_sweep(s, sweep_id=sweep_id)
         if sweep.status in SweepStatus.TERMINAL:
             return "done"
+        if job_id and submission_number(sweep.ray_job_id) > submission_number(job_id):
+            # a later submission of the same sweep is its job: two drivers would run every trial twice
+            logger.warning(
+                "sweep %s belongs to Ray Job %s, not %s: this driver exits", sweep_id, sweep.ray_job_id, job_id
+            )
+            return "superseded"
         job_id = job_id or sweep.ray_job_id
         create = SweepCreate.model_validate(sweep.spec)
         pending = list_trials(s, sweep_id=sweep_id, status=TrialStatus.PENDING)
@@ -426,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     cancelled: str | None = None
     try:
         how = run_sweep(settings, args.sweep_id)
+        if how == "superseded":
+            return 0  # the sweep is the other job's to finish
     except KeyboardInterrupt as e:
         how = f"cancelled: sweep driver stopped ({e})"
     except Exception as e:

@@ -71,8 +71,9 @@ def _runtime_env(host: SweepHost, *, job_id: str, base_spec: RunSpec) -> dict[st
 
 
 def start_sweep(host: SweepHost, sweep_id: str) -> bool:
-    """Submit a QUEUED sweep as its Ray Job. False when the host has no Jobs client yet (it stays QUEUED) or the
-    submission failed (it stays QUEUED with the reason; ``start_queued_sweeps`` retries)."""
+    """Submit a QUEUED sweep as its Ray Job. False when the host has no Jobs client yet (it stays QUEUED), its job
+    is submitted already and has not ended (the route and the runtime's tick race for a new sweep: one job only), or
+    the submission failed (it stays QUEUED with the reason; ``start_queued_sweeps`` retries)."""
     jobs = host.jobs
     if jobs is None:
         return False
@@ -80,8 +81,15 @@ def start_sweep(host: SweepHost, sweep_id: str) -> bool:
         sweep = get_sweep(s, sweep_id=sweep_id)
         if sweep.status != SweepStatus.QUEUED:
             return False
-        n = submission_number(sweep.ray_job_id) + 1
+        prior = sweep.ray_job_id
+        n = submission_number(prior) + 1
         name, project, base_spec = sweep.name, sweep.project, RunSpec.model_validate((sweep.spec or {}).get("base"))
+    if prior:  # read now, not from a list read earlier: the route and the runtime's tick both submit
+        try:
+            if not jobs.state(prior).terminal:
+                return False  # submitted (its driver has not started yet): a second job would run the same trials
+        except Exception:
+            return False  # unknown: the next tick asks again
     sid = submission_id(sweep_id, n)
     try:
         jobs.submit(
@@ -122,18 +130,8 @@ def start_queued_sweeps(host: SweepHost) -> list[str]:
     if jobs is None:
         return []
     with session_scope(host.factory) as s:
-        queued = [(sw.id, sw.ray_job_id) for sw in sweeps_in(s, statuses=[SweepStatus.QUEUED])]
-    started = []
-    for sweep_id, job_id in queued:
-        if job_id:
-            try:
-                if not jobs.state(job_id).terminal:
-                    continue  # submitted; the driver has not started yet
-            except Exception:
-                continue
-        if start_sweep(host, sweep_id):
-            started.append(sweep_id)
-    return started
+        queued = [sw.id for sw in sweeps_in(s, statuses=[SweepStatus.QUEUED])]
+    return [sweep_id for sweep_id in queued if start_sweep(host, sweep_id)]
 
 
 # ------------------------------------------------------------------------------------------- reconcile

@@ -165,3 +165,78 @@ def test_a_running_trial_shows_its_phase_from_its_runs_status_and_steps(api):
         t = s.get(Trial, trial_id)
         transition_trial(s, trial=t, to="SUCCEEDED", reason="done")
     assert phase() is None
+
+
+class _Jobs:
+    """A Ray Jobs client that records submissions (the logic around it is under test, not Ray)."""
+
+    def __init__(self):
+        self.submitted: list[str] = []
+
+    def submit(self, *, submission_id, **kw):
+        if submission_id in self.submitted:
+            raise RuntimeError(f"Job with submission_id {submission_id} already exists")
+        self.submitted.append(submission_id)
+
+    def state(self, job_id):
+        from service.cluster.jobs import JobState
+
+        return JobState("PENDING" if job_id in self.submitted else "MISSING")
+
+    def reset(self):
+        pass
+
+
+def test_a_new_sweep_is_submitted_once_when_the_route_and_the_tick_race(api, monkeypatch):
+    """The tick lists the QUEUED sweeps, the route submits the new one meanwhile, then the tick reaches it: it must see
+    the job the route submitted (a second job ran the same trials twice, and half of them failed)."""
+    from service.sweeps import execution
+
+    sw = api.post("/v1/sweeps", json=body()).json()
+    factory = api.app.state.session_factory
+    jobs = _Jobs()
+
+    class Host:
+        settings = api.app.state.settings
+        gcs_address = "127.0.0.1:1"
+        dashboard_url = None
+
+        def __init__(self):
+            self.factory, self.jobs = factory, jobs
+
+        def planning_cluster(self):
+            return None
+
+    host = Host()
+    monkeypatch.setattr(execution, "_runtime_env", lambda *a, **k: {})
+    real_sweeps_in = execution.sweeps_in
+
+    def listed_then_route_submits(s, **kw):
+        listed = real_sweeps_in(s, **kw)  # the tick's list: read before the route's submission
+        assert execution.start_sweep(host, sw["id"])  # the route's
+        return listed
+
+    monkeypatch.setattr(execution, "sweeps_in", listed_then_route_submits)
+    assert execution.start_queued_sweeps(host) == []
+    assert jobs.submitted == [f"meshrun-{sw['id']}-1"]
+    with session_scope(factory) as s:
+        assert get_sweep(s, sweep_id=sw["id"]).ray_job_id == f"meshrun-{sw['id']}-1"
+    jobs.submitted.clear()  # that job ended before its driver started (MISSING): the next tick submits the next one
+    monkeypatch.setattr(execution, "sweeps_in", real_sweeps_in)
+    assert execution.start_queued_sweeps(host) == [sw["id"]]
+    assert jobs.submitted == [f"meshrun-{sw['id']}-2"]
+
+
+def test_a_superseded_sweep_driver_runs_nothing(api, monkeypatch):
+    """Of two Ray Jobs of one sweep, the one the sweep names runs it; the earlier one exits before touching it."""
+    from service.sweeps import driver
+
+    sw = api.post("/v1/sweeps", json=body()).json()
+    factory = api.app.state.session_factory
+    with session_scope(factory) as s:
+        get_sweep(s, sweep_id=sw["id"]).ray_job_id = f"meshrun-{sw['id']}-2"
+    monkeypatch.setattr(driver, "_job_id", lambda: f"meshrun-{sw['id']}-1")
+    assert driver.run_sweep(api.app.state.settings, sw["id"]) == "superseded"
+    with session_scope(factory) as s:
+        sweep = get_sweep(s, sweep_id=sw["id"])
+        assert (sweep.status, sweep.ray_job_id) == ("QUEUED", f"meshrun-{sw['id']}-2")
