@@ -69,13 +69,16 @@ class WarmPool:
         self.groups[gid]["jobs"] = 0  # prestarted: it ran nothing yet
         return gid
 
-    def acquire(self, nodes: list[str], threads: int, fresh: bool = False) -> tuple[int, list[Any], int, bool]:
+    def acquire(
+        self, nodes: list[str], threads: int, fresh: bool = False, owner: Any = None
+    ) -> tuple[int, list[Any], int, bool]:
         """An idle group on exactly these nodes (rank i on nodes[i]), or a new one: (group id, workers, jobs it
-        ran before, new?)."""
+        ran before, new?). ``owner``: an actor that lives as long as the job (its run channel, which dies with its
+        driver): a group whose owner died is never released by it, and ``reap`` takes it back."""
         key = (tuple(nodes), int(threads))
         for gid, g in self.groups.items():
             if not fresh and not g["busy"] and g["key"] == key:
-                g["busy"] = True
+                g["busy"], g["owner"] = True, owner
                 return gid, g["workers"], g["jobs"], False
         from workers.warm import WarmWorker  # torch: in the pool's process only, never a run driver's
 
@@ -88,7 +91,14 @@ class WarmPool:
         ray.get([w.info.remote() for w in workers])  # up: torch and the engine imported
         self.starts += 1
         gid = self.starts
-        self.groups[gid] = {"key": key, "workers": workers, "busy": True, "jobs": 0, "used": time.time()}
+        self.groups[gid] = {
+            "key": key,
+            "workers": workers,
+            "busy": True,
+            "jobs": 0,
+            "used": time.time(),
+            "owner": owner,
+        }
         self._evict()
         return gid, workers, 0, True
 
@@ -99,8 +109,37 @@ class WarmPool:
         if not healthy:
             self._kill(gid)
             return
-        g["busy"], g["jobs"], g["used"] = False, g["jobs"] + 1, time.time()
+        g["busy"], g["jobs"], g["used"], g["owner"] = False, g["jobs"] + 1, time.time(), None
         self._evict()
+
+    def reap(self) -> list[int]:
+        """Busy groups whose owner died (a run driver SIGKILLed, or lost with its node, before it could release its
+        group): their workers are killed (their job stopped at its next poll of the dead channel, in whatever state)
+        and the groups dropped. Returns their ids."""
+        asked = {
+            gid: g["owner"].__ray_ready__.remote()
+            for gid, g in self.groups.items()
+            if g["busy"] and g.get("owner") is not None
+        }
+        if not asked:
+            return []
+        # all at once, briefly: a live owner answers in milliseconds, a dead one fails at once (this actor serves
+        # ``acquire`` too, and must not wait on a slow owner)
+        ready, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=2)
+        dead = []
+        for gid, ref in asked.items():
+            if ref not in ready:
+                continue  # slow to answer: alive, or the next pass tells
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                dead.append(gid)
+            except Exception:
+                continue
+        for gid in dead:
+            log.warning("warm group #%d: the job's owner died without releasing it; its workers are killed", gid)
+            self._kill(gid)
+        return dead
 
     def _evict(self) -> None:
         idle = sorted((g["used"], gid) for gid, g in self.groups.items() if not g["busy"])
@@ -174,7 +213,9 @@ def warm_fit(
     workers: list[Any] = []
     try:
         threads = max(1, int(worker_resources(plan).get("CPU", 1)))
-        got = cast(tuple[int, list[Any], int, bool], ray.get(pool.acquire.remote(nodes, threads), timeout=300))
+        got = cast(
+            tuple[int, list[Any], int, bool], ray.get(pool.acquire.remote(nodes, threads, False, channel), timeout=300)
+        )
         gid, workers, jobs, new = got
         if on_group is not None:
             on_group(gid, jobs, new)

@@ -10,6 +10,7 @@ placement group holds its CPUs while it trains.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -21,6 +22,8 @@ from typing import Any
 import ray
 
 from service.cluster.warm import WARM_NAMESPACE, WarmPool
+
+REAP_EVERY_S = 15.0  # how often the pool looks for groups whose driver died without releasing them
 
 logger = logging.getLogger("meshrun.warm")
 
@@ -63,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     try:
         while True:  # the pool lives as long as this job: the service stops it
-            time.sleep(3600)
+            time.sleep(REAP_EVERY_S)
+            with contextlib.suppress(Exception):
+                ray.get(pool.reap.remote(), timeout=60)  # groups of drivers that died (``WarmPool.reap``)
     finally:
         ray.get(pool.shutdown.remote(), timeout=30)
     return 0

@@ -3,7 +3,8 @@ one group of worker processes in a Ray Job of its own, a run starts in it (no wo
 trains exactly what the same spec trains in a new Ray Train worker group (the same losses, bit for bit), its
 checkpoints are listed and on disk, the next run re-meshes the same processes, a worker killed mid-run fails only
 that attempt (the run restarts as a Ray Train worker group from its latest checkpoint and SUCCEEDS with every step
-once), and a cancel stops the run's warm workers. Stopping the service stops its pool's job."""
+once), a cancel stops the run's warm workers, and the group of a driver killed mid-run is taken back by the pool (its
+workers killed) while the run resumes. Stopping the service stops its pool's job."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 
 from tests.conftest import start_live_service, stop_live_service
 from tests.ray.helpers import events, metrics, submit, tiny_spec, wait_for, wait_for_step
-from tests.ray.test_runs import gone
+from tests.ray.test_runs import driver_pids, gone
 
 pytestmark = pytest.mark.ray
 STEPS = 400  # tiny steps take tens of ms: enough of them to kill a worker mid-run
@@ -118,3 +119,24 @@ def test_a_cancelled_warm_run_stops_its_workers(warm_service) -> None:
     rows = len(metrics(url, run["id"]))
     time.sleep(2)
     assert len(metrics(url, run["id"])) == rows < STEPS  # nothing trains on
+
+
+def test_a_warm_run_whose_driver_is_killed_gives_its_group_back_and_resumes(warm_service) -> None:
+    """SIGKILL on the run's driver: nobody releases its warm group, so the pool reaps it (the group's owner, the run's
+    channel, died with the driver): its workers are killed within the pool's reap interval; the run resumes by
+    itself from its latest checkpoint and SUCCEEDS with every step once."""
+    url = warm_service.url
+    spec = tiny_spec("warm-driver-kill", dp=2, steps=STEPS, checkpoint={"every_steps": 40},
+                     resources={"max_failures": 1}, optimizer={"lr": 3e-3, "warmup_steps": 0, "schedule": "constant"})
+    run = submit(url, spec)
+    wait_for_step(url, run["id"], 50, timeout_s=240)
+    warm_pids = _placements(url, run["id"])[0]
+    drivers = driver_pids(run["id"])
+    assert drivers, "no driver process found"
+    for pid in drivers:
+        os.kill(pid, signal.SIGKILL)
+    assert gone(warm_pids, timeout_s=90) == [], "the dead driver's warm workers still run"
+    done = wait_for(url, run["id"], {"SUCCEEDED"}, timeout_s=300)
+    steps = [r["step"] for r in metrics(url, run["id"])]
+    assert steps == list(range(1, STEPS + 1)), steps
+    assert done["attempts"] >= 2
