@@ -198,12 +198,16 @@ def warm_fit(
     files: dict[str, Any] | None = None,
     one_node: bool = False,
     attempt: int = 1,
+    channel_first: bool = False,
 ) -> dict[str, Any]:
     """Train one job on a warm group of ``pool``; raises what a worker raised. ``on_group(group id, jobs it ran
     before, new?)`` once the group is known. ``cancel`` set: the job is abandoned and its group killed. ``files``:
     where the workers checkpoint and resume from (``workers.warm.WarmWorker.train``). ``one_node``: every rank must
     land on one node (else ``NotOneNode`` before any worker is used). ``attempt``: the number the job registers with
-    ``channel`` (its workers do not wait for the channel to answer)."""
+    ``channel`` (its workers do not wait for the channel to answer). ``channel_first``: the workers start once the
+    channel actor is up (it starts while the job is placed): a sweep trial measures, and a tiny trial ran its every
+    step while the new channel's process started on the same cores, at half its speed."""
+    channel_up = channel.__ray_ready__.remote() if channel_first else None
     pg, nodes = _place(plan, bundle, strategy)
     if one_node and len(set(nodes)) > 1:
         remove_placement_group(pg)
@@ -220,6 +224,8 @@ def warm_fit(
         if on_group is not None:
             on_group(gid, jobs, new)
         addr, port = ray.get(workers[0].endpoint.remote(plan.world_size), timeout=60)
+        if channel_up is not None:
+            ray.get(channel_up, timeout=60)
         per_node: dict[str, int] = {}
         refs = []
         for rank, (w, node) in enumerate(zip(workers, nodes)):

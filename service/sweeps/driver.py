@@ -306,6 +306,7 @@ def _warm_fit(life: RunLifecycle, tr: TrialRun, channel: ActorHandle, cancel: th
         cancel=cancel,
         on_group=on_group,
         attempt=1,  # the trial's channel opens at attempt 1 (``life.channel(first_attempt=1)``)
+        channel_first=True,  # a trial measures: no process starting beside it
     )
 
 
