@@ -52,8 +52,11 @@ def test_worker_killed_mid_run_recovers_from_checkpoint(live_service, reference_
 def test_cancelled_run_resumes_from_checkpoint_with_a_new_layout(live_service, reference_dp2_run, layout):
     url = live_service.url
     ref, ref_rows = reference_dp2_run
+    # rank 0 slowed by 50 ms a step: the cancel below lands within the 30 steps of the reference run it compares to
+    # (a warm start ran 35 tiny steps between two polls of the checkpoints); the delay changes no loss
     run = submit(url, ft_spec(f"e2e-resume-{'-'.join(f'{k}{v}' for k, v in layout.items())}",
-                              train={"steps": 2000, "seed": 1, "deterministic": True}))
+                              train={"steps": 2000, "seed": 1, "deterministic": True},
+                              faults={"slow_rank": {"rank": 0, "delay_s": 0.05}}))
     deadline = time.monotonic() + 300
     ck_url = f"{url}/v1/runs/{run['id']}/checkpoints"
     while not any(c["step"] >= 10 for c in httpx.get(ck_url, timeout=30).json()["items"]):
@@ -62,7 +65,7 @@ def test_cancelled_run_resumes_from_checkpoint_with_a_new_layout(live_service, r
     assert httpx.post(f"{url}/v1/runs/{run['id']}/cancel", timeout=60).json()["status"] == "CANCELLED"
     cks = httpx.get(f"{url}/v1/runs/{run['id']}/checkpoints", timeout=30).json()["items"]
     last = max(c["step"] for c in cks)
-    assert last >= 10
+    assert 10 <= last < len(ref_rows), (last, len(ref_rows))
     ran = metrics(url, run["id"])[-1]["step"]
     steps = ran + 3  # the resumed attempt replaces every step after the checkpoint
     r = httpx.post(f"{url}/v1/runs/{run['id']}/resume", json={"layout": layout, "steps": steps}, timeout=60)
