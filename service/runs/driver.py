@@ -360,7 +360,16 @@ def main(argv: list[str] | None = None) -> int:
                     _run_replicas(spec, plan, channel, _actor_checkpoint_dir(spec, settings, run_id, "replica"))
                 else:
                     start = RunStart(
-                        run_id, run_name, spec, plan, placement, channel, settings, name, resume_from, first_attempt
+                        run_id=run_id,
+                        run_name=run_name,
+                        spec=spec,
+                        plan=plan,
+                        placement=placement,
+                        channel=channel,
+                        settings=settings,
+                        train_run_name=name,
+                        resume_from=resume_from,
+                        attempt=first_attempt,
                     )
                     _fit_group(life, start)
                 outcome = Outcome.succeeded()
