@@ -150,21 +150,37 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 # ------------------------------------------------------------------------------------------- two workers
-# ``python -m pytest -n 2 --dist loadgroup`` runs the suite on two pytest-xdist workers (opt-in: the README's test
-# command and CI stay serial; on two busy cores the two workers measured no faster, and timing tests grow noisier
-# under the doubled load). Every test that uses the shared Ray cluster (``ray_cluster``/``live_service``, directly
-# or through another fixture) is in one group, ``ray``: one worker runs them all, one after another, on one Ray
-# cluster, as before.
-# Every other test is grouped by its module (module fixtures are set up once), and the other worker takes those
-# modules one by one, tests that start their own Ray head included. The ``ray`` group is put first so its worker
-# starts on it at once (xdist hands out groups in collection order); it is the longest single piece of the suite.
+# ``python -m pytest -n 2 --dist loadgroup`` runs the suite on two pytest-xdist workers: the README's test command
+# and CI (a fresh clone on the quiet 2-core machine, 2026-12-05: 32 min 41 s against 41 min 13 s serial, all
+# passing in both; plain ``python -m pytest`` still runs everything in one process). Every test that uses the
+# shared Ray service (``live_service``, directly or through another fixture) or the shared cluster without a driver
+# of its own is in one group, ``ray``: one worker runs them all, one after another, on one Ray cluster.
+# The tests that make this process a Ray driver (``ray_session``: async_ps, replica mode, the channel poll) and use
+# no service are a second group, ``ray-driver``, put second: the other worker takes it and starts a Ray cluster of
+# its own for it (a few minutes of Ray work off the longest piece). Every other test is grouped by its module
+# (module fixtures are set up once), and the other worker takes those modules one by one, tests that start their
+# own Ray head included. The ``ray`` group is put first so its worker starts on it at once (xdist hands out groups
+# in collection order); it is the longest single piece of the suite.
 # Without ``-n`` everything runs in one process, in collection order.
 #
 # The group goes into the node id here (``<id>@<group>``, what xdist's loadgroup scheduler reads) rather than through
 # an ``xdist_group`` mark: xdist 3.8 writes ``item._nodeid``, which pytest 9.2 no longer reads (ids live in
 # ``item._id``), so its marks would group nothing.
 RAY_GROUP = "ray"
-SHARED_RAY_FIXTURES = (*HEAVY_FIXTURES, "ray_service_url")  # tests/sdk's takes ``live_service`` by name at run time
+RAY_DRIVER_GROUP = "ray-driver"
+SHARED_SERVICE_FIXTURES = ("live_service", "ray_service_url")  # tests/sdk's takes ``live_service`` by name at run time
+
+
+def xdist_group(item: pytest.Item) -> str:
+    """The loadgroup group of a test (see above)."""
+    names = getattr(item, "fixturenames", ())
+    if any(f in names for f in SHARED_SERVICE_FIXTURES):
+        return RAY_GROUP
+    if "ray_session" in names:
+        return RAY_DRIVER_GROUP
+    if "ray_cluster" in names:
+        return RAY_GROUP
+    return item.nodeid.split("::")[0]
 
 
 def _group_node_id(item: pytest.Item, group: str) -> None:
@@ -176,14 +192,13 @@ def _group_node_id(item: pytest.Item, group: str) -> None:
 class _XdistGroups:
     @pytest.hookimpl(trylast=True)  # after every mark and `-m`: node ids are only renamed for the scheduler
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
-        def shared_ray(item: pytest.Item) -> bool:
-            return any(f in getattr(item, "fixturenames", ()) for f in SHARED_RAY_FIXTURES)
-
         if not getattr(config.option, "loadgroup", False):  # not an xdist worker under --dist loadgroup
             return
-        items.sort(key=lambda item: 0 if shared_ray(item) else 1)  # stable: each part keeps its order
+        groups = {item.nodeid: xdist_group(item) for item in items}
+        first = {RAY_GROUP: 0, RAY_DRIVER_GROUP: 1}
+        items.sort(key=lambda item: first.get(groups[item.nodeid], 2))  # stable: each part keeps its order
         for item in items:
-            _group_node_id(item, RAY_GROUP if shared_ray(item) else item.nodeid.split("::")[0])
+            _group_node_id(item, groups[item.nodeid])
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -294,9 +309,12 @@ def ray_cluster() -> Iterator[RayTestCluster]:
     # short path: Ray's unix sockets live under the session dir (108-byte limit)
     tmp = Path(f"/tmp/mr_test_{secrets.token_hex(3)}")
     tmp.mkdir()
-    head = RayCluster(gcs_port=free_port(6390), dashboard_port=free_port(8266), metrics_export_port=None,
-                      num_cpus=int(os.environ.get("MESHRUN_TEST_RAY_CPUS", "6")), num_gpus=0, data_dir=tmp,
-                      multi_node=True)  # add_node() joins other nodes: not a loopback-only head
+    # under xdist, each worker that needs a cluster starts its own (tests/conftest.py: groups), both at once at the
+    # start: their preferred ports differ so that they do not both find the same one free
+    n = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    head = RayCluster(gcs_port=free_port(6390 + 20 * n), dashboard_port=free_port(8266 + 20 * n),
+                      metrics_export_port=None, num_cpus=int(os.environ.get("MESHRUN_TEST_RAY_CPUS", "6")),
+                      num_gpus=0, data_dir=tmp, multi_node=True)  # add_node(): not loopback-only
     os.environ.setdefault("MESHRUN_TORCH_TIMEOUT_S", "60")
     try:
         head.start()
