@@ -150,35 +150,28 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 # ------------------------------------------------------------------------------------------- two workers
-# ``python -m pytest -n 2 --dist loadgroup`` runs the suite on two pytest-xdist workers: the README's test command
-# and CI (a fresh clone on the quiet 2-core machine, 2026-12-05: 32 min 41 s against 41 min 13 s serial, all
-# passing in both; plain ``python -m pytest`` still runs everything in one process). Every test that uses the
-# shared Ray service (``live_service``, directly or through another fixture) or the shared cluster without a driver
-# of its own is in one group, ``ray``: one worker runs them all, one after another, on one Ray cluster.
-# The tests that make this process a Ray driver (``ray_session``: async_ps, replica mode, the channel poll) and use
-# no service are a second group, ``ray-driver``, put second: the other worker takes it and starts a Ray cluster of
-# its own for it (a few minutes of Ray work off the longest piece). Every other test is grouped by its module
-# (module fixtures are set up once), and the other worker takes those modules one by one, tests that start their
-# own Ray head included. The ``ray`` group is put first so its worker starts on it at once (xdist hands out groups
-# in collection order); it is the longest single piece of the suite.
+# ``python -m pytest -n 2 --dist loadgroup`` runs the suite on two pytest-xdist workers (opt-in: the README's test
+# command and CI stay serial). A fresh clone on the quiet 2-core machine, 2026-12-05: 41 min 13 s serial, 32 min 41 s
+# on two workers (all passing), and 35 min 32 s with two load failures when the Ray-driver tests had a group and a
+# cluster of their own on the other worker (two Ray clusters at once: load 20-30 on two cores; a replica counted as
+# hung twice, a tracker outage reported twice): the doubled load makes timing tests noisy, so CI stays serial.
+# Every test that uses the shared Ray cluster (``ray_cluster``/``live_service``, directly or through another
+# fixture) is in one group, ``ray``: one worker runs them all, one after another, on one Ray cluster. Every other
+# test is grouped by its module (module fixtures are set up once), and the other worker takes those modules one by
+# one, tests that start their own Ray head included. The ``ray`` group is put first so its worker starts on it at
+# once (xdist hands out groups in collection order); it is the longest single piece of the suite.
 # Without ``-n`` everything runs in one process, in collection order.
 #
 # The group goes into the node id here (``<id>@<group>``, what xdist's loadgroup scheduler reads) rather than through
 # an ``xdist_group`` mark: xdist 3.8 writes ``item._nodeid``, which pytest 9.2 no longer reads (ids live in
 # ``item._id``), so its marks would group nothing.
 RAY_GROUP = "ray"
-RAY_DRIVER_GROUP = "ray-driver"
-SHARED_SERVICE_FIXTURES = ("live_service", "ray_service_url")  # tests/sdk's takes ``live_service`` by name at run time
+SHARED_RAY_FIXTURES = (*HEAVY_FIXTURES, "ray_service_url")  # tests/sdk's takes ``live_service`` by name at run time
 
 
 def xdist_group(item: pytest.Item) -> str:
     """The loadgroup group of a test (see above)."""
-    names = getattr(item, "fixturenames", ())
-    if any(f in names for f in SHARED_SERVICE_FIXTURES):
-        return RAY_GROUP
-    if "ray_session" in names:
-        return RAY_DRIVER_GROUP
-    if "ray_cluster" in names:
+    if any(f in getattr(item, "fixturenames", ()) for f in SHARED_RAY_FIXTURES):
         return RAY_GROUP
     return item.nodeid.split("::")[0]
 
@@ -195,8 +188,7 @@ class _XdistGroups:
         if not getattr(config.option, "loadgroup", False):  # not an xdist worker under --dist loadgroup
             return
         groups = {item.nodeid: xdist_group(item) for item in items}
-        first = {RAY_GROUP: 0, RAY_DRIVER_GROUP: 1}
-        items.sort(key=lambda item: first.get(groups[item.nodeid], 2))  # stable: each part keeps its order
+        items.sort(key=lambda item: 0 if groups[item.nodeid] == RAY_GROUP else 1)  # stable: each part keeps its order
         for item in items:
             _group_node_id(item, groups[item.nodeid])
 
@@ -309,8 +301,8 @@ def ray_cluster() -> Iterator[RayTestCluster]:
     # short path: Ray's unix sockets live under the session dir (108-byte limit)
     tmp = Path(f"/tmp/mr_test_{secrets.token_hex(3)}")
     tmp.mkdir()
-    # under xdist, each worker that needs a cluster starts its own (tests/conftest.py: groups), both at once at the
-    # start: their preferred ports differ so that they do not both find the same one free
+    # under xdist a worker that needs a cluster starts its own: each worker prefers its own ports, so that two
+    # starting at once do not both find the same one free
     n = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
     head = RayCluster(gcs_port=free_port(6390 + 20 * n), dashboard_port=free_port(8266 + 20 * n),
                       metrics_export_port=None, num_cpus=int(os.environ.get("MESHRUN_TEST_RAY_CPUS", "6")),
