@@ -34,13 +34,14 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import ray
 import ray.train
 import torch.distributed as dist
 
 from api.spec.metrics import PEAK_MEMORY_PER_RANK
+from workers.control import ControlPoll
 from workers.hooks import Hooks
 from workers.preemption import NOTICE, install_on_actor_main_thread
 from workers.ray_metrics import RunMetricsPublisher
@@ -133,37 +134,6 @@ class RowSink:
         if self.publisher is not None and self.unpublished is not None:
             self.publisher.publish(self.unpublished)
             self.unpublished = None
-
-
-class ControlPoll:
-    """Rank 0's ``control()`` poll of the run channel, kept out of the step loop: each call returns the answer to the
-    previous poll if it has come (None while it is out, or when the channel failed to answer) and sends the next one;
-    a request (stop, preemption, profile) is seen one report later, and no report waits for the channel (it may
-    still be starting when a warm job begins, or be busy). ``stop_if_gone``: a channel that died (its driver was
-    killed) answers stop, for a warm worker that would otherwise train an orphaned job to its end."""
-
-    def __init__(self, channel: Any, *, stop_if_gone: bool = False) -> None:
-        self.channel = channel
-        self.stop_if_gone = stop_if_gone
-        self.pending: Any = None
-
-    def __call__(self) -> dict[str, Any] | None:
-        out: dict[str, Any] | None = None
-        if self.pending is not None:
-            ready, _ = ray.wait([self.pending], timeout=0)
-            if not ready:
-                return None  # still out: no second poll piles up behind it
-            try:
-                out = cast(dict[str, Any], ray.get(self.pending))
-            except ray.exceptions.ActorDiedError:
-                if self.stop_if_gone:
-                    logger.warning("the run's channel is gone (its driver ended): this job stops")
-                    return {"stop": True}
-                logger.warning("the run's channel is gone")
-            except Exception as e:  # a slow or lost channel must not stop training
-                logger.warning("run channel control poll failed: %s", e)
-        self.pending = self.channel.control.remote()
-        return out
 
 
 def channel_hooks(channel: Any, attempt: int, rank: int, rows: RowSink | None) -> Hooks:

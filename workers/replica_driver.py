@@ -23,6 +23,7 @@ from workers.replica_ft import JOIN_TIMEOUT_MS, NoPeerToHeal, ReplicaWorker, nod
 POLL_S = 0.2
 HEARTBEAT_TIMEOUT_MS = 1500  # a replica silent this long is out of the next quorum (the survivors' detection)
 WAITING = frozenset({"quorum", "allreduce", "commit"})  # phases that wait on the peers (or the lighthouse)
+PREEMPT_POLL_S = 1.0  # how often the service's preemption request is polled
 FINISH_GRACE_S = 120.0  # how long the last step's other participants get to return (a checkpoint to write)
 
 
@@ -63,6 +64,7 @@ def run_replicas(
     ckpt_dir: str | None = None,
     on_start: Callable[[list[dict[str, Any]]], None] | None = None,
     on_checkpoint: Callable[[int, str], None] | None = None,
+    preempt_request: Callable[[], str | None] | None = None,
 ) -> dict[str, Any]:
     """Train ``spec`` as ``dp`` fault-tolerant replicas on the connected Ray cluster; returns the run's summary.
 
@@ -71,7 +73,12 @@ def run_replicas(
     ``replicas_restored``. The summary's ``replica_recoveries`` has one entry per loss: the step it was lost at,
     detection, restart (a new actor ready) and rejoin (its first committed step) times. ``on_start(ranks)``: once
     the first replicas are ready, before any row reaches ``sink`` (rank, node_id, pid, host per replica).
-    ``on_checkpoint(step, path)``: each checkpoint written to ``ckpt_dir``, once, after the rows up to its step."""
+    ``on_checkpoint(step, path)``: each checkpoint written to ``ckpt_dir``, once, after the rows up to its step.
+
+    Preemption: ``preempt_request()`` (polled; a reason when the service wants the workers back) makes every replica
+    stop after the same committed step, checkpointed by the quorum's first replica, and so does a SIGTERM on every
+    replica; the summary then says ``preempted``. A SIGTERM on some replicas only makes them leave at a step
+    boundary (``replica_preempted``) and be replaced like a lost one, without spending ``max_failures``."""
     ft = spec.fault_tolerance
     n = plan.dp
     spec_json, plan_json = spec.model_dump_json(), plan.model_dump_json()
@@ -100,12 +107,19 @@ def run_replicas(
     slowest = [0.0]  # the slowest committed step's step_time_s
     phases: dict[int, tuple[str, float]] = {}  # replica -> (phase, seconds in it), from its last take_rows
     hung: set[int] = set()  # replicas killed as hung, until their replacement starts
+    asked: list[str] = []  # the service's preemption reason, once asked (passed on to every replica)
+    stopped: dict[str, Any] = {}  # the replicas stopped for a preemption: the step, the cause, who got a SIGTERM
+    noticed: set[int] = set()  # replicas that left after a SIGTERM
+    last_saved: list[str] = []
+    next_poll = [0.0]
 
     def start(i: int, from_storage: bool) -> Any:
         phases.pop(i, None)
         hung.discard(i)
         a = ReplicaWorker.options(**opts).remote(i, incarnation[i], spec_json, plan_json, ckpt_dir, from_storage)  # type: ignore[attr-defined]
         actors[i] = a
+        if asked:
+            a.request_preempt.remote(asked[0])
         return a
 
     def launch(ids: list[int], from_storage: bool, min_step: int = 0) -> list[dict[str, Any]]:
@@ -145,8 +159,52 @@ def run_replicas(
                 if sink is not None:
                     sink(row)
             for step, path in got["saved"]:
+                last_saved[:] = [str(path)]
                 if on_checkpoint is not None:
                     on_checkpoint(int(step), str(path))
+
+    def pass_on_preemption() -> None:
+        if preempt_request is None or asked or time.monotonic() < next_poll[0]:
+            return
+        next_poll[0] = time.monotonic() + PREEMPT_POLL_S
+        reason = preempt_request()
+        if reason:
+            asked.append(reason)
+            for i in running.values():
+                actors[i].request_preempt.remote(reason)
+
+    def stop_all(i: int, out: dict[str, Any]) -> None:
+        """Every replica stops after ``out["step"]`` (the service asked, or each got a SIGTERM): wait for the
+        others that trained that step (the first of them checkpoints it); the others (a replacement still
+        joining) are dropped."""
+        stopped.update(step=int(out["step"]), cause=out.get("cause"), ranks=set(noticed))
+        if out.get("noticed"):
+            stopped["ranks"].add(i)
+        drain()
+        mask = int(seen.get(stopped["step"], {}).get("replica_mask") or 0)
+        wait = [ref for ref, j in running.items() if mask >> j & 1]
+        ready, _ = ray.wait(wait, num_returns=len(wait), timeout=FINISH_GRACE_S) if wait else ([], [])
+        for ref in ready:
+            with contextlib.suppress(Exception):
+                if ray.get(ref).get("noticed"):
+                    stopped["ranks"].add(running[ref])
+        running.clear()
+
+    def replace_preempted(i: int, out: dict[str, Any]) -> None:
+        """Replica ``i`` got a SIGTERM and left after step ``out["step"]``: a replacement heals from the others (a
+        notice is no failure: ``max_failures`` is not spent)."""
+        with contextlib.suppress(Exception):
+            ray.kill(actors[i])
+        incarnation[i] += 1
+        noticed.add(i)
+        emit(
+            "replica_preempted",
+            f"replica {i} got a preemption notice ({out.get('noticed') or 'SIGTERM'}) and left after step "
+            f"{out['step']}; {len(running)} of {n} replicas go on; a replacement starts and heals from a live peer",
+        )
+        info = launch([i], from_storage=False, min_step=int(out["step"]))[0]
+        emit("placement", "rank -> node: " + json.dumps({str(i): f"{info['node_id'][:12]} pid {info['pid']}"}))
+        pending[i] = {"replica": i, "lost_step": int(out["step"]), "lost_at": time.time(), "rejoin_s": None}
 
     def kill_hung() -> None:
         """A live replica that has stayed longer than the hang timeout in a phase of its own (computing, saving:
@@ -178,10 +236,15 @@ def run_replicas(
             done, _ = ray.wait(list(running), num_returns=1, timeout=POLL_S)
             drain()
             kill_hung()
+            pass_on_preemption()
             for ref in done:
                 i = running.pop(ref)
                 try:
-                    ray.get(ref)
+                    out = ray.get(ref)
+                    if out.get("left"):
+                        replace_preempted(i, out)
+                    elif out.get("preempted"):
+                        stop_all(i, out)
                     continue
                 except (RayActorError, RayTaskError) as e:
                     if max(seen, default=0) >= spec.train.steps:
@@ -273,4 +336,14 @@ def run_replicas(
         "min_replicas_seen": min((r["replicas"] for r in seen.values()), default=None),
         "replicas_gone": sorted(gone),
         "host": socket.gethostname(),
+        **(
+            {
+                "preempted": True,
+                "preempt_cause": stopped.get("cause"),
+                "preempted_ranks": sorted(stopped.get("ranks", ())),
+                "last_checkpoint": last_saved[0] if last_saved else None,
+            }
+            if "step" in stopped
+            else {}
+        ),
     }

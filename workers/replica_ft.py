@@ -42,6 +42,7 @@ import ray
 import torch
 
 from api.spec import Plan, RunSpec
+from workers import preemption  # its NOTICE by module: a Ray actor class pickles the globals it names
 from workers.data import StepBatches, make_source
 from workers.diagnostics import FaultInjector, RankState
 from workers.models import build_model, materialize
@@ -132,6 +133,12 @@ class ReplicaWorker:
         self.healed_from_peer = False
         self.rejoining = incarnation > 1 and not from_storage  # a replacement: its first step waits for its heal
         self.phase, self.phase_t = "start", time.monotonic()  # where run() is, and since when (``take_rows``)
+        self.stop_cause: str | None = None  # the service wants every replica's workers back (``request_preempt``)
+        self.leave_armed = False  # its SIGTERM vote was counted in a committed step (``_preemption``)
+        preemption.NOTICE.reset()
+        preemption.install(
+            preemption.NOTICE
+        )  # SIGTERM = a preemption notice; a threaded actor's __init__ runs on its main thread
 
     def _enter(self, phase: str) -> None:
         self.phase, self.phase_t = phase, time.monotonic()
@@ -191,6 +198,11 @@ class ReplicaWorker:
             "step": self.restored_step,
         }
 
+    def request_preempt(self, reason: str) -> None:
+        """The service wants the run's workers back: every replica stops after the same committed step, which the
+        quorum's first replica checkpoints (``run`` returns ``preempted``)."""
+        self.stop_cause = reason
+
     def take_rows(self) -> dict[str, Any]:
         """The committed steps' rows and the checkpoints written since the last call, and the phase ``run()`` is in
         (``quorum``, ``compute``, ``allreduce``, ``commit``, ``save``) with how long it has been there."""
@@ -243,13 +255,16 @@ class ReplicaWorker:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             me = torch.zeros(plan.dp, device=self.device)  # who trained this step (a one-hot, summed below)
             me[self.index] = 1.0 if r is not None else 0.0
-            flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss.reshape(1), me])
+            noticed = preemption.NOTICE.requested and r is not None  # what this replica votes (``_preemption``)
+            votes = torch.tensor([float(self.stop_cause is not None), float(noticed)], device=self.device)
+            flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss.reshape(1), me, votes])
             self._enter("allreduce")
-            mgr.allreduce(flat).wait()
+            mgr.allreduce(flat).wait()  # averaged over the participants
             self._enter("compute")
-            who = (flat[-plan.dp :] * max(q, 1)).round().tolist()
+            tail = (flat[-plan.dp - 2 :] * max(q, 1)).round().tolist()
+            who, (stops, leaving) = tail[: plan.dp], tail[plan.dp :]
             mask = sum(1 << i for i, v in enumerate(who) if v > 0)
-            flat = flat[: -plan.dp]
+            flat = flat[: -plan.dp - 2]
             off = 0
             for p, g in zip(params, grads):
                 n = g.numel()
@@ -292,19 +307,59 @@ class ReplicaWorker:
                 failed_since, prev_q = None, q
                 with self.lock:
                     self.rows.append(row)
-                if r == 0 and spec.checkpoint.every_steps and step % spec.checkpoint.every_steps == 0:
+                periodic = bool(spec.checkpoint.every_steps) and step % spec.checkpoint.every_steps == 0
+                leave = self._preemption(stops, leaving, q, noticed)
+                if r == 0 and (periodic or leave == "preempted"):
                     self._enter("save")
                     self._save(step)
+                if leave is not None:
+                    self.optimizer.zero_grad(set_to_none=True)
+                    return self._left(leave, step, first_step, failed_steps)
             else:
                 failed_steps += 1
                 failed_since = t0 if failed_since is None else failed_since
             self.optimizer.zero_grad(set_to_none=True)
+        preemption.NOTICE.finish()  # a SIGTERM from now on is the actor's shutdown
         return {
             "replica": self.index,
             "incarnation": self.incarnation,
             "first_step": first_step,
             "healed_from_peer": self.healed_from_peer,
             "failed_steps": failed_steps,
+        }
+
+    def _preemption(self, stops: float, leaving: float, participants: int, noticed: bool) -> str | None:
+        """After a committed step, from the votes summed in its all-reduce (what every participant got alike) and
+        this replica's own vote (``noticed``: it had a SIGTERM): ``preempted`` (the service asked, or every
+        participant had a SIGTERM: all stop after this step, which the first one checkpoints), ``left`` (this
+        replica had one, some others did not: it leaves, they go on and a replacement heals from them) or None
+        (train on). A replica leaves one step after its vote was first counted: SIGTERMs sent to every replica at
+        once (a node drained) may reach them on either side of a step's all-reduce, and that step gives each one
+        the chance to vote, so that they stop together instead of leaving one by one."""
+        if stops > 0 or (leaving > 0 and leaving >= participants):
+            return "preempted"
+        if not noticed:
+            return None
+        if self.leave_armed:
+            return "left"
+        self.leave_armed = True
+        return None
+
+    def _left(self, how: str, step: int, first_step: int | None, failed_steps: int) -> dict[str, Any]:
+        """``run``'s result when it stops for a preemption after ``step`` (``_preemption``)."""
+        preemption.NOTICE.finish()  # done in time: no forced exit
+        if how == "left" and self.manager is not None:
+            self.manager.shutdown(wait=False)  # its heartbeat stops: the peers' next quorum goes on without it
+        return {
+            "replica": self.index,
+            "incarnation": self.incarnation,
+            "first_step": first_step,
+            "healed_from_peer": self.healed_from_peer,
+            "failed_steps": failed_steps,
+            how: True,
+            "step": step,
+            "cause": self.stop_cause,
+            "noticed": preemption.NOTICE.cause,
         }
 
     def _save(self, step: int) -> None:

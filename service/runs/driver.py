@@ -200,10 +200,12 @@ def _on_term(signum: int, _frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _actor_checkpoint_dir(spec: RunSpec, settings: Settings, run_id: str, sub: str) -> str | None:
+def _actor_checkpoint_dir(
+    spec: RunSpec, settings: Settings, run_id: str, sub: str, *, periodic_only: bool = True
+) -> str | None:
     """Where the actor-based modes (async_ps servers, replica mode) checkpoint: ``<storage>/<run id>/<sub>`` (None:
-    no every_steps, or remote storage)."""
-    if not spec.checkpoint.every_steps:
+    remote storage, or no every_steps where ``periodic_only``; replica mode also saves when preempted)."""
+    if periodic_only and not spec.checkpoint.every_steps:
         return None
     storage = spec.checkpoint.storage or str(settings.checkpoint_root)
     if "://" in storage:
@@ -242,6 +244,7 @@ def _run_replicas(spec: RunSpec, plan: Plan, channel: Any, ckpt_dir: str | None)
     """fault_tolerance.mode replica: torchft replicas as Ray actors (``workers.replica_driver``), no TorchTrainer. A
     lost replica is a run event (replaced, healed from a peer), not a failed attempt; rows go to the channel as they
     come, each step once, with the replica count of that step."""
+    from workers.control import ControlPoll
     from workers.replica_driver import run_replicas
 
     attempt = 0
@@ -251,6 +254,12 @@ def _run_replicas(spec: RunSpec, plan: Plan, channel: Any, ckpt_dir: str | None)
         cause = f"start (fault_tolerance replica: {plan.dp} torchft replicas)"
         attempt = ray.get(channel.begin_attempt.remote({"cause": cause, "ranks": ranks}))
 
+    poll = ControlPoll(channel)
+
+    def preempt_request() -> str | None:  # the service wants the workers back (``watch_preempt_requests``)
+        got = poll()
+        return str(got["preempt"]) if got and got.get("preempt") else None
+
     summary = run_replicas(
         spec,
         plan,
@@ -259,6 +268,7 @@ def _run_replicas(spec: RunSpec, plan: Plan, channel: Any, ckpt_dir: str | None)
         ckpt_dir=ckpt_dir,
         on_start=start,
         on_checkpoint=lambda step, path: channel.checkpoint.remote({"step": step, "path": path}),
+        preempt_request=preempt_request,
     )
     summary.pop("losses", None)
     ray.get(channel.done.remote(summary))
@@ -357,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
                 if spec.layout.sync == "async_ps":
                     _run_async_ps(spec, plan, channel, _actor_checkpoint_dir(spec, settings, run_id, "ps"))
                 elif spec.fault_tolerance.mode == "replica":
-                    _run_replicas(spec, plan, channel, _actor_checkpoint_dir(spec, settings, run_id, "replica"))
+                    ckpt_dir = _actor_checkpoint_dir(spec, settings, run_id, "replica", periodic_only=False)
+                    _run_replicas(spec, plan, channel, ckpt_dir)
                 else:
                     start = RunStart(
                         run_id=run_id,

@@ -1,11 +1,14 @@
 """fault_tolerance.mode replica through the service: a replica SIGKILLed mid-run, the other keeps stepping, the run
-SUCCEEDS with every step once, and the rows show the replica count dropping to 1 and back to 2."""
+SUCCEEDS with every step once, and the rows show the replica count dropping to 1 and back to 2; a replica run
+preempted by a higher-priority run stops both replicas at one checkpointed step and resumes from the next."""
 
 from __future__ import annotations
 
+import os
+
 import httpx
 
-from tests.ray.helpers import events, metrics, submit, tiny_spec, wait_for
+from tests.ray.helpers import events, metrics, submit, tiny_spec, wait_for, wait_for_step
 
 
 def test_replica_run_keeps_training_through_a_killed_replica(live_service) -> None:
@@ -46,3 +49,53 @@ def test_replica_run_keeps_training_through_a_killed_replica(live_service) -> No
     (r0, r1) = sorted(g["replicas"], key=lambda r: r["replica"])
     assert r0["losses"] == 0 and r1["losses"] == 1
     assert r1["absent_s"] > 0 and r0["absent_s"] == 0 and r0["steps"] == 16 > r1["steps"]
+
+
+def test_a_replica_run_yields_to_a_higher_priority_run_and_resumes_where_it_stopped(live_service, monkeypatch) -> None:
+    """The service's preemption reaches the replicas (issue 33): both stop after the same step, which is
+    checkpointed, the run goes PREEMPTED then QUEUED, and its second attempt trains on from the next step: every step
+    once, none recomputed."""
+    url = live_service.url
+    monkeypatch.setattr(live_service.settings, "preemption", "any")
+    cpus = int(os.environ.get("MESHRUN_TEST_RAY_CPUS", "6"))  # the session cluster's CPUs: the low run takes all
+    steps = 60
+    low = submit(
+        url,
+        tiny_spec(
+            "e2e-replica-preempted",
+            dp=2,
+            steps=steps,
+            fault_tolerance={"mode": "replica"},
+            checkpoint={"every_steps": 40, "keep": 2},
+            faults={"slow_rank": {"rank": 0, "delay_s": 0.2}},  # >= 12 s of steps: it cannot end first
+            resources={"device": "cpu", "cpus_per_worker": cpus // 2},
+        ),
+    )
+    wait_for_step(url, low["id"], 3, timeout_s=300)
+    high = submit(
+        url, tiny_spec("e2e-replica-high", steps=4, resources={"device": "cpu", "cpus_per_worker": 2, "priority": 10})
+    )
+    wait_for(url, high["id"], {"SUCCEEDED"}, timeout_s=400)
+    done = wait_for(url, low["id"], {"SUCCEEDED", "FAILED"}, timeout_s=400)
+    assert done["status"] == "SUCCEEDED", done.get("status_reason")
+
+    ev = events(url, low["id"])
+    states = [(e["from_status"], e["to_status"]) for e in ev if e["kind"] == "state"]
+    assert ("RUNNING", "PREEMPTED") in states and ("PREEMPTED", "QUEUED") in states, states
+    preempted = next(e["reason"] for e in ev if e["to_status"] == "PREEMPTED")
+    assert f"preempted by run {high['id']} (priority 10 > 0)" in preempted and "checkpoint saved" in preempted
+    assert done["attempts"] == 2
+    rows = metrics(url, low["id"])
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))  # every step once
+    assert all(r["replicas"] == 2 for r in rows)  # both replicas stopped together, both came back
+    first, second = ({r["step"] for r in _attempt_rows(url, low["id"], a)} for a in (1, 2))
+    stopped_at = max(first)
+    assert stopped_at < steps and min(second) == stopped_at + 1  # the emergency checkpoint: nothing recomputed
+    recorded = [e["reason"] for e in ev if e["kind"] == "checkpoint"]
+    assert any(r.startswith(f"checkpoint of step {stopped_at} at ") for r in recorded), (stopped_at, recorded)
+
+
+def _attempt_rows(url: str, run_id: str, attempt: int) -> list[dict]:
+    r = httpx.get(f"{url}/v1/runs/{run_id}/metrics", params={"attempt": attempt, "limit": 1000}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["items"]

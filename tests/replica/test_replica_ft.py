@@ -16,7 +16,7 @@ import pytest
 
 from api.spec import RunSpec
 from api.spec.validation import build_plan
-from tests.workers.dist_utils import run_world, tiny_spec
+from tests.workers.dist_utils import tiny_spec
 from workers.replica_driver import run_replicas
 from workers.replica_ft import latest_checkpoint, shards_of
 
@@ -33,15 +33,22 @@ def test_shards_cover_the_batch_whatever_the_quorum() -> None:
     assert shards_of(0, 1, 4, 3, "shrink") == [3]
 
 
-def _run(spec_d: dict, **kw: object) -> tuple[dict, list[dict], list[tuple[str, str]]]:
+def _run(spec_d: dict, sink=None, **kw: object) -> tuple[dict, list[dict], list[tuple[str, str]]]:
+    """Train ``spec_d`` with ``run_replicas``: (summary, rows, events); ``sink`` also gets every row."""
     spec = RunSpec.model_validate(spec_d)
     plan = build_plan(spec, device="cpu")
     rows: list[dict] = []
     events: list[tuple[str, str]] = []
+
+    def collect(row: dict) -> None:
+        rows.append(row)
+        if sink is not None:
+            sink(row)
+
     out = run_replicas(
         spec,
         plan,
-        sink=rows.append,
+        sink=collect,
         on_event=lambda k, t: events.append((k, t)),
         worker_options={"num_cpus": 0.5},
         **kw,  # type: ignore[arg-type]
@@ -51,12 +58,6 @@ def _run(spec_d: dict, **kw: object) -> tuple[dict, list[dict], list[tuple[str, 
 
 def _ft(**kw: object) -> dict:
     return {"mode": "replica", **kw}
-
-
-@pytest.fixture(scope="module")
-def ddp_losses() -> list[float]:
-    """A 10-step dp=2 gloo DDP run's losses (constant LR, data by step: a shorter run's are its prefix)."""
-    return run_world(2, [tiny_spec(dp=2, steps=10)])[0]["losses"]
 
 
 def test_replicas_match_ddp_and_survive_a_killed_replica(ray_session, ddp_losses) -> None:
@@ -166,7 +167,9 @@ def test_a_hung_replica_is_killed_and_replaced(ray_session, ddp_losses) -> None:
         steps=steps,
         fault_tolerance=_ft(),
         faults={"hang_rank": {"rank": 1, "at_step": 3}, "slow_rank": {"rank": 0, "delay_s": 0.3}},
-        resources={"max_failures": 1, "hang_timeout_s": 3},
+        # unlimited replacements: on a loaded machine a replacement's first steps can also outlast 3 s (the full
+        # suite on two xdist workers once saw a second replica_hung); that one is replaced too
+        resources={"max_failures": -1, "hang_timeout_s": 3},
     )
     out, rows, events = _run(spec)
     by = sorted(rows, key=lambda r: r["step"])
@@ -175,8 +178,9 @@ def test_a_hung_replica_is_killed_and_replaced(ray_session, ddp_losses) -> None:
     assert masks[:2] == [3, 3] and masks[2] == 1, masks  # step 3 committed without the hung replica
     assert max(abs(a - b) for a, b in zip(out["losses"], ddp_losses)) < FP32_TOL
     kinds = [k for k, _ in events]
-    assert kinds.count("replica_hung") == 1, events
-    assert "replica 1 has been in compute for" in dict(events)["replica_hung"]
+    hung = [t for k, t in events if k == "replica_hung"]
+    assert hung and hung[0].startswith("replica 1 has been in compute for"), events  # the injected hang first
     assert kinds.index("replica_hung") < kinds.index("replica_lost"), events
-    assert out["replica_restarts"] == 1 and out["replica_restores"] == 0
+    assert kinds.count("replica_lost") >= len(hung), events  # each one killed is lost and replaced
+    assert out["replica_restarts"] == kinds.count("replica_lost") and out["replica_restores"] == 0
     assert by[2]["recovery_s"] >= 3  # the survivor's stall: the hang timeout, then the lost heartbeat

@@ -5,6 +5,8 @@ found through GET /v1/runs/{id}, hold every step."""
 
 from __future__ import annotations
 
+import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,8 @@ def test_a_run_logs_to_tensorboard_and_to_an_mlflow_server_that_comes_back(live_
     run = submit(url, spec)
     try:
         wait_until(lambda: "tracker_unavailable" in [e["kind"] for e in events(url, run["id"])], 300, "the event")
+        time.sleep(2.5)  # the tracker retries (after 1 s, then 2 s) into the same outage: no event for those
+        back_at = time.time()
         proxy.start()  # the tracker returns while (or just after) the run trains
         done = wait_for(url, run["id"], {"SUCCEEDED", "FAILED", "CANCELLED"}, timeout_s=300)
         assert done["status"] == "SUCCEEDED", done["status_reason"]
@@ -49,9 +53,14 @@ def test_a_run_logs_to_tensorboard_and_to_an_mlflow_server_that_comes_back(live_
     assert mrun.data.tags["meshrun.status"] == "SUCCEEDED" and mrun.data.params["spec.train.steps"] == str(STEPS)
     for key in ("loss", "tokens_per_s"):
         assert sorted(m.step for m in client.get_metric_history(mrun.info.run_id, key)) == steps, key
-    kinds = [e["kind"] for e in events(url, run["id"])]
-    assert kinds.count("tracking") == 1
-    assert kinds.count("tracker_unavailable") == 1  # one outage, one event
+    evs = events(url, run["id"])
+    assert [e["kind"] for e in evs].count("tracking") == 1
+    # one outage, one event, however many retries failed in it (a second event after the tracker came back is a
+    # second outage: an MLflow request timing out on a machine at load 20-30 once made one)
+    during = [
+        e for e in evs if e["kind"] == "tracker_unavailable" and datetime.fromisoformat(e["time"]).timestamp() < back_at
+    ]
+    assert len(during) == 1, during
 
     logdir = Path(get_run(url, run["id"])["tracking"]["tensorboard"])
     scalars = tensorboard_scalars(logdir)
