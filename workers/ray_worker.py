@@ -41,6 +41,7 @@ import ray.train
 import torch.distributed as dist
 
 from api.spec.metrics import PEAK_MEMORY_PER_RANK
+from workers import memory_copy
 from workers.control import ControlPoll
 from workers.hooks import Hooks
 from workers.preemption import NOTICE, install_on_actor_main_thread
@@ -136,10 +137,11 @@ class RowSink:
             self.unpublished = None
 
 
-def channel_hooks(channel: Any, attempt: int, rank: int, rows: RowSink | None) -> Hooks:
+def channel_hooks(channel: Any, attempt: int, rank: int, rows: RowSink | None, *, copy_world: int = 0) -> Hooks:
     """This rank's callbacks, all through the run's channel actor (``service.cluster.jobs.RunChannel``; see the
     module docstring): rows (``rows``, rank 0), checkpoints to Ray Train, heartbeats, profiles, and rank 0's
-    ``control()`` poll. Runs and sweep trials get the same ones."""
+    ``control()`` poll. Runs and sweep trials get the same ones. ``copy_world``: the world size when
+    ``checkpoint.memory_copy`` is on (each checkpoint's files also go to the channel, ``workers.memory_copy``)."""
 
     def on_checkpoint(step: int, path: str | None) -> None:
         if rows is not None:
@@ -147,6 +149,8 @@ def channel_hooks(channel: Any, attempt: int, rank: int, rows: RowSink | None) -
         if not path:
             return
         t0 = time.perf_counter()
+        if copy_world:
+            memory_copy.keep(channel, step, rank, copy_world, path)  # before Ray Train moves the files
         ray.train.report(
             {"step": int(step), "attempt": attempt},
             checkpoint=ray.train.Checkpoint.from_directory(path),
@@ -208,17 +212,30 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     attempt = register_attempt(channel, plan)
     _install_preemption_handler(rank)
 
-    # where to resume from (Ray Train's latest checkpoint after a failure, else the user's), where files go
-    ckpt = ray.train.get_checkpoint()
-    resume_cm = ckpt.as_directory() if ckpt is not None else contextlib.nullcontext(config.get("resume_from"))
+    # where to resume from (Ray Train's latest checkpoint after a failure: its in-memory copy when there is one,
+    # else storage; else the user's), where files go
     root = Path(config.get("local_checkpoint_root") or tempfile.gettempdir())
+    copy_world = ray.train.get_context().get_world_size() if spec.checkpoint.memory_copy else 0
+    ckpt = ray.train.get_checkpoint()
+    resume_cm: Any = contextlib.nullcontext(config.get("resume_from"))
+    restore_dir = root / "meshrun-restore" / run_id / f"a{attempt}" / f"rank{rank}"
+    if ckpt is not None:
+        step = memory_copy.step_of(ckpt.path) if copy_world else None
+        restored = memory_copy.restore(channel, step, restore_dir) if step is not None else None
+        resume_cm = contextlib.nullcontext(str(restored[0])) if restored else ckpt.as_directory()
+        if restored and rank == 0:
+            channel.event.remote(
+                "checkpoint_restored",
+                f"attempt {attempt} resumes from the in-memory copy of the checkpoint of step {step} "
+                f"({restored[1] / 2**20:.1f} MiB, every rank's files, kept by the run's channel), not from storage",
+            )
     ckpt_dir = root / "meshrun-ckpt" / run_id / f"a{attempt}" / f"rank{rank}"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     state_dir = root / "meshrun-state" / run_id / f"a{attempt}"
     profile_dir = root / "meshrun-profiles" / run_id / f"a{attempt}"
 
     rows = RowSink(channel, attempt, _publisher(run_id, config.get("run_name") or run_id, rank)) if rank == 0 else None
-    hooks = channel_hooks(channel, attempt, rank, rows)
+    hooks = channel_hooks(channel, attempt, rank, rows, copy_world=copy_world)
     try:
         with resume_cm as resume_from:
             if resume_from:
@@ -239,6 +256,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if rows is not None:
             rows.flush()  # also the rows before a failure
         shutil.rmtree(ckpt_dir, ignore_errors=True)
+        shutil.rmtree(restore_dir, ignore_errors=True)
     with contextlib.suppress(OSError):
         (state_dir / f"rank{rank}.json").unlink()  # kept after a failure, for diagnosis
     if rank == 0:

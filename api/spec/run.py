@@ -246,6 +246,13 @@ class CheckpointSpec(_Spec):
         "only once written on every rank, and a failed save fails the attempt). Costs a second copy of the state "
         "in host memory during a save.",
     )
+    memory_copy: bool = Field(
+        False,
+        description="Keep an in-memory copy of the newest checkpoint, every rank's files, in the run's channel actor "
+        "(on the driver's node, outside the worker group): a restart after a failure loads it from there when it is "
+        "complete and falls back to storage otherwise. Costs the checkpoint's size in that node's memory; worth it "
+        "when storage is remote or slow.",
+    )
 
 
 class MetricsSpec(_Spec):

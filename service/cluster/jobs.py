@@ -71,6 +71,8 @@ class RunChannel:
         self.states: dict[int, dict[str, Any]] = {}  # rank -> latest "where am I" snapshot of the current attempt
         self.profile_steps = 0  # a profile request not yet handed to rank 0
         self.hang_text: str | None = None  # the driver's diagnosis of the current attempt's hang
+        self.copies: dict[int, dict[int, dict[str, bytes]]] = {}  # step -> rank -> its checkpoint files (memory_copy)
+        self.copy_world: dict[int, int] = {}  # step -> the ranks that make its copy complete
 
     def begin_attempt(self, info: dict[str, Any]) -> int:
         """Rank 0 calls this once per worker-group start; returns the attempt number: the next one, or the one
@@ -120,6 +122,21 @@ class RunChannel:
             "worker_errors": self.worker_errors,
             "last_error": self.last_error,
         }
+
+    # checkpoint.memory_copy (``workers.memory_copy``): the newest complete checkpoint's files, outside the workers
+    def keep_copy(self, step: int, rank: int, world: int, files: dict[str, bytes]) -> None:
+        """Rank ``rank``'s files of the checkpoint of ``step``; once every rank's are in, older copies go."""
+        self.copies.setdefault(step, {})[rank] = files
+        self.copy_world[step] = world
+        if len(self.copies[step]) == world:
+            for old in [s for s in self.copies if s < step]:
+                self.copies.pop(old)
+                self.copy_world.pop(old, None)
+
+    def copy_of(self, step: int) -> dict[int, dict[str, bytes]] | None:
+        """Every rank's files of the checkpoint of ``step``, or None when some rank's are missing."""
+        got = self.copies.get(step)
+        return got if got is not None and len(got) == self.copy_world.get(step) else None
 
     def request_stop(self) -> None:
         self.stop_requested = True

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -79,3 +80,44 @@ def test_cancelled_run_resumes_from_checkpoint_with_a_new_layout(live_service, r
     assert all(r["attempt"] == 2 for r in resumed)
     # the first resumed step's loss is the loss the uninterrupted run had at that step (resharded checkpoint)
     assert resumed[0]["loss"] == pytest.approx(ref_rows[last]["loss"], rel=1e-3)
+
+
+def test_a_restart_resumes_from_the_in_memory_copy_when_storage_is_unreadable(live_service, reference_dp2_run):
+    """``checkpoint.memory_copy`` (issue 33): every rank's checkpoint files are also kept by the run's channel (outside
+    the worker group). The storage copies of every listed checkpoint are cut to zero bytes before a worker is
+    SIGKILLed: the restarted group resumes from memory (a ``checkpoint_restored`` event), never reads storage, and
+    trains the uninterrupted run's losses; from storage the attempt could not have loaded at all."""
+    url = live_service.url
+    _, ref_rows = reference_dp2_run
+    run = submit(url, ft_spec("e2e-memory-copy",
+                              checkpoint={"every_steps": 5, "keep": 2, "memory_copy": True},
+                              resources={"device": "cpu", "cpus_per_worker": 1, "max_failures": 1},
+                              faults={"slow_rank": {"rank": 0, "delay_s": 0.6}}))  # 3 s between checkpoints
+    ck_url = f"{url}/v1/runs/{run['id']}/checkpoints"
+    deadline = time.monotonic() + 300
+    while True:
+        cks = httpx.get(ck_url, timeout=30).json()["items"]
+        if any(c["step"] >= 10 for c in cks):
+            break
+        assert time.monotonic() < deadline, "no checkpoint of step >= 10 recorded"
+        time.sleep(0.2)
+    cut = {}
+    for c in cks:
+        files = [p for p in Path(c["path"]).rglob("*") if p.is_file()]
+        assert files, c
+        for p in files:
+            p.write_bytes(b"")
+        cut[c["step"]] = len(files)
+    os.kill(worker_pids(url, run["id"])[1], signal.SIGKILL)
+
+    done = wait_for(url, run["id"], {"SUCCEEDED", "FAILED"}, timeout_s=400)
+    assert done["status"] == "SUCCEEDED", done.get("status_reason")
+    assert done["attempts"] == 2
+    restored = [e["reason"] for e in events(url, run["id"]) if e["kind"] == "checkpoint_restored"]
+    assert len(restored) == 1 and restored[0].startswith("attempt 2 resumes from the in-memory copy"), restored
+    step = int(restored[0].split("checkpoint of step ")[1].split()[0])
+    assert step in cut, (step, cut)  # a checkpoint whose storage files were emptied
+    rows = metrics(url, run["id"])
+    assert [r["step"] for r in rows] == list(range(1, FT_STEPS + 1))  # every step once
+    assert min(r["step"] for r in rows if r["attempt"] == 2) == step + 1
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in ref_rows], rel=1e-5)
