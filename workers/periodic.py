@@ -48,6 +48,27 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else p
 
 
+def outer_optimizer(anchor: list[torch.Tensor], spec: RunSpec) -> torch.optim.SGD:
+    """The outer optimizer of ``layout.sync`` over the round's anchor: DiLoCo's (``layout.outer_optimizer``: Nesterov,
+    lr 0.7, momentum 0.9 by default) or local SGD's plain averaging (SGD lr 1, no momentum)."""
+    outer = spec.layout.outer_optimizer
+    if spec.layout.sync == "local_sgd":
+        return torch.optim.SGD(anchor, lr=1.0, momentum=0.0)
+    nesterov = outer.name == "nesterov" and outer.momentum > 0
+    return torch.optim.SGD(anchor, lr=outer.lr, momentum=outer.momentum, nesterov=nesterov)
+
+
+def divergence_alert(divergences: list[float]) -> dict[str, Any]:
+    """A ``sync_alert`` row key when the replicas' divergence grew at ``GROWING_SYNCS`` syncs in a row, else {}."""
+    last = divergences[-(GROWING_SYNCS + 1) :]
+    if len(last) == GROWING_SYNCS + 1 and all(a < b for a, b in zip(last, last[1:])):
+        return {
+            SYNC_ALERT: f"replica divergence grew at {GROWING_SYNCS} syncs in a row ({last[0]:.3g} -> {last[-1]:.3g}): "
+            "lower layout.sync_every_steps or the learning rate"
+        }
+    return {}
+
+
 class PeriodicAverager:
     def __init__(self, model_parts: list[nn.Module], *, dims: ParallelDims, spec: RunSpec) -> None:
         lay = dims.layout  # the resolved layout's flavours (the outer optimizer is the spec's optimizer config)
@@ -58,22 +79,9 @@ class PeriodicAverager:
         with torch.no_grad():
             self.params = [_local(p.data) for m in model_parts for p in m.parameters() if p.requires_grad]
             self.anchor = [t.detach().clone().float() for t in self.params]
-        outer = spec.layout.outer_optimizer
-        if lay.sync == "local_sgd":
-            lr, momentum, nesterov = 1.0, 0.0, False
-        else:
-            lr, momentum, nesterov = outer.lr, outer.momentum, outer.name == "nesterov" and outer.momentum > 0
-        self.outer = torch.optim.SGD(self.anchor, lr=lr, momentum=momentum, nesterov=nesterov)
+        self.outer = outer_optimizer(self.anchor, spec)
         self.divergences: list[float] = []
-        log.info(
-            "%s: %d replicas average every %d steps (outer sgd lr %g momentum %g nesterov %s)",
-            lay.sync,
-            self.replicas,
-            self.every,
-            lr,
-            momentum,
-            nesterov,
-        )
+        log.info("%s: %d replicas average every %d steps (outer %s)", lay.sync, self.replicas, self.every, self.outer)
 
     def due(self, step: int) -> bool:
         return step % self.every == 0 or step == self.last_step
@@ -103,11 +111,4 @@ class PeriodicAverager:
         self.outer.zero_grad(set_to_none=True)
         for p, a in zip(self.params, self.anchor):
             p.copy_(a)
-        out: dict[str, Any] = {"replica_divergence": divergence}
-        last = self.divergences[-(GROWING_SYNCS + 1) :]
-        if len(last) == GROWING_SYNCS + 1 and all(a < b for a, b in zip(last, last[1:])):
-            out[SYNC_ALERT] = (
-                f"replica divergence grew at {GROWING_SYNCS} syncs in a row ({last[0]:.3g} -> {last[-1]:.3g}): "
-                "lower layout.sync_every_steps or the learning rate"
-            )
-        return out
+        return {"replica_divergence": divergence, **divergence_alert(self.divergences)}

@@ -47,6 +47,9 @@ from workers.data import StepBatches, make_source
 from workers.diagnostics import FaultInjector, RankState
 from workers.models import build_model, materialize
 from workers.optim import build_optimizer, build_scheduler
+from workers.periodic import outer_optimizer
+from workers.replica_quorum import NoPeerToHeal, shards_of
+from workers.replica_rounds import run_rounds
 from workers.step import loss_fn
 
 log = logging.getLogger(__name__)
@@ -55,10 +58,7 @@ JOIN_TIMEOUT_MS = 30000  # how long a quorum waits for a replica that heartbeats
 COLLECTIVE_TIMEOUT_S = 60.0  # an all-reduce waiting this long on a silent peer fails the step (not the replica)
 CKPT_RE = re.compile(r"^step_(\d{8})$")
 STATE_FILE = "state.pt"
-
-
-class NoPeerToHeal(RuntimeError):
-    """A replacement replica found no live peer to heal from (every other replica died meanwhile)."""
+PERIODIC = ("local_sgd", "diloco")
 
 
 def node_ip() -> str:
@@ -66,16 +66,6 @@ def node_ip() -> str:
         return str(ray.util.get_node_ip_address())
     except Exception:
         return "127.0.0.1"
-
-
-def shards_of(participant: int | None, participants: int, dp: int, index: int, mode: str) -> list[int]:
-    """The data shards (of ``dp``) a replica trains this step. keep: participant r of q takes s % q == r (the live
-    replicas cover every shard); shrink: replica ``index`` takes its own shard. Not participating: none."""
-    if participant is None or participants < 1:
-        return []
-    if mode == "shrink":
-        return [index]
-    return [s for s in range(dp) if s % participants == participant]
 
 
 def latest_checkpoint(ckpt_dir: str | None) -> Path | None:
@@ -119,10 +109,17 @@ class ReplicaWorker:
         ]
         self.ckpt_dir = ckpt_dir
         self.restored_step = 0
+        self.periodic = spec.layout.sync in PERIODIC  # local SGD / DiLoCo rounds (``workers.replica_rounds``)
+        if self.periodic:
+            with torch.no_grad():
+                self.anchor = [p.detach().clone().float() for p in self.model.parameters() if p.requires_grad]
+            self.outer = outer_optimizer(self.anchor, spec)
+            self.steps_done = 0  # the steps of the committed rounds (torchft's step counts rounds)
+            self.divergences: list[float] = []
         if from_storage and (path := latest_checkpoint(ckpt_dir)) is not None:
             state = torch.load(path / STATE_FILE, map_location=self.device, weights_only=False)
-            self._load({k: state[k] for k in ("model", "optim", "sched")})
-            self.restored_step = int(state["torchft"]["step"])
+            self._load({k: v for k, v in state.items() if k != "torchft"})
+            self.restored_step = self.steps_done if self.periodic else int(state["torchft"]["step"])
             self._restored_torchft = state["torchft"]
         state = RankState(rank=index, world_size=plan.dp, run_id="replica", attempt=incarnation)
         self.faults = FaultInjector(spec.faults, rank=index, attempt=incarnation, state=state)
@@ -136,25 +133,32 @@ class ReplicaWorker:
         self.stop_cause: str | None = None  # the service wants every replica's workers back (``request_preempt``)
         self.leave_armed = False  # its SIGTERM vote was counted in a committed step (``_preemption``)
         preemption.NOTICE.reset()
-        preemption.install(
-            preemption.NOTICE
-        )  # SIGTERM = a preemption notice; a threaded actor's __init__ runs on its main thread
+        preemption.install(preemption.NOTICE)  # SIGTERM = a notice; a threaded actor's __init__ is on its main thread
 
     def _enter(self, phase: str) -> None:
         self.phase, self.phase_t = phase, time.monotonic()
 
     # ------------------------------------------------------------------ state shared with peers
     def _state(self) -> dict[str, Any]:
-        return {
+        state: dict[str, Any] = {
             "model": self.model.state_dict(),
             "optim": self.optimizer.state_dict(),
             "sched": self.scheduler.state_dict(),
         }
+        if self.periodic:  # the round's anchor and the outer optimizer, and how far the committed rounds got
+            state.update(anchor=self.anchor, outer=self.outer.state_dict(), steps_done=self.steps_done)
+        return state
 
     def _load(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optim"])
         self.scheduler.load_state_dict(state["sched"])
+        if self.periodic:
+            with torch.no_grad():
+                for a, v in zip(self.anchor, state["anchor"]):
+                    a.copy_(v)
+            self.outer.load_state_dict(state["outer"])
+            self.steps_done = int(state["steps_done"])
 
     def _heal(self, state: dict[str, Any]) -> None:
         self._load(state)
@@ -214,6 +218,8 @@ class ReplicaWorker:
     def run(self, min_step: int = 0) -> dict[str, Any]:
         """Train until ``train.steps`` are committed. ``min_step``: a replacement must heal to at least that step
         (else it would restart training alone from its initial state: ``NoPeerToHeal``)."""
+        if self.periodic:
+            return run_rounds(self, min_step)
         spec, plan, mgr = self.spec, self.plan, self.manager
         ft = spec.fault_tolerance
         params = [p for p in self.model.parameters() if p.requires_grad]

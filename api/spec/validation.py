@@ -382,7 +382,11 @@ def _check_fault_tolerance(spec: RunSpec, chk: SpecCheck) -> None:
         ("layout.tp", lay.tp > 1, "each replica is one worker in this version: use tp 1"),
         ("layout.pp", lay.pp > 1, "each replica is one worker in this version: use pp 1"),
         ("layout.zero_stage", lay.zero_stage != 0, "replicas hold whole copies of the state: use zero_stage 0"),
-        ("layout.sync", lay.sync != "sync", "replicas average gradients every step: use sync: sync"),
+        (
+            "layout.sync",
+            lay.sync not in ("sync", "local_sgd", "diloco"),
+            "replicas agree every step (sync) or every round (local_sgd, diloco): use one of those",
+        ),
         ("layout.grad_compression", lay.grad_compression != "none", "use grad_compression none"),
         ("precision", spec.precision == "fp16", "use fp32 or bf16 (no loss scaler across a changing quorum)"),
         ("elastic", spec.elastic is not None, "a lost replica is replaced, not re-planned: remove elastic"),

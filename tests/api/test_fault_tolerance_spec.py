@@ -39,7 +39,7 @@ def test_default_is_group_and_replica_mode_is_stored(client) -> None:
         (_spec({"mode": "replica"}, tp=2), "layout.tp", "tp 1"),
         (_spec({"mode": "replica"}, pp=2), "layout.pp", "pp 1"),
         (_spec({"mode": "replica"}, zero_stage=3), "layout.zero_stage", "zero_stage 0"),
-        (_spec({"mode": "replica"}, sync="diloco"), "layout.sync", "sync: sync"),
+        (_spec({"mode": "replica"}, sync="async_ps"), "layout.sync", "local_sgd, diloco"),
         ({**_spec({"mode": "replica"}), "precision": "fp16"}, "precision", "bf16"),
         ({**_spec({"mode": "replica"}), "elastic": {"min_dp": 1}}, "elastic", "remove elastic"),
         (_spec({"mode": "replica", "min_replicas": 3}), "fault_tolerance.min_replicas", "1..2"),

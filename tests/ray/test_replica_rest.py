@@ -99,3 +99,27 @@ def _attempt_rows(url: str, run_id: str, attempt: int) -> list[dict]:
     r = httpx.get(f"{url}/v1/runs/{run_id}/metrics", params={"attempt": attempt, "limit": 1000}, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()["items"]
+
+
+def test_a_diloco_replica_run_keeps_training_through_a_killed_replica(live_service) -> None:
+    """``layout.sync: diloco`` in replica mode through the service: the round a replica dies in is trained again by
+    the survivor, the run SUCCEEDS in one attempt with every step once, and the round ends carry the divergence."""
+    url = live_service.url
+    spec = tiny_spec(
+        "e2e-replica-diloco",
+        dp=2,
+        steps=12,
+        layout={"sync": "diloco", "sync_every_steps": 4},
+        fault_tolerance={"mode": "replica"},
+        faults={"kill_rank": {"rank": 1, "at_step": 6}, "slow_rank": {"rank": 0, "delay_s": 0.5}},
+        resources={"device": "cpu", "cpus_per_worker": 0.5, "max_failures": 2},
+    )
+    run = submit(url, spec)
+    done = wait_for(url, run["id"], {"SUCCEEDED", "FAILED"}, timeout_s=400)
+    assert done["status"] == "SUCCEEDED", done.get("status_reason")
+    assert done["attempts"] == 1
+    rows = metrics(url, run["id"])
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert [r["replicas"] for r in rows][:8] == [2] * 4 + [1] * 4
+    assert [r["step"] for r in rows if r.get("replica_divergence") is not None] == [4, 8, 12]
+    assert [e["kind"] for e in events(url, run["id"])].count("replica_lost") == 1
