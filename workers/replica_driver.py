@@ -241,7 +241,7 @@ def run_replicas(
                 i = running.pop(ref)
                 try:
                     out = ray.get(ref)
-                    if out.get("left"):
+                    if out.get("left") and int(out["step"]) < spec.train.steps:
                         replace_preempted(i, out)
                     elif out.get("preempted"):
                         stop_all(i, out)
