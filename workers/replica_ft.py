@@ -248,16 +248,7 @@ class ReplicaWorker:
             weight = q / plan.dp if ft.batch == "keep" else 1.0
             self._enter("compute")
             self.faults.in_compute(step)
-            loss = torch.zeros((), device=self.device)
-            for s in mine:
-                micro = self.batches[s].micro_batches(step - 1)
-                for x, y in micro:
-                    x, y = x.to(self.device), y.to(self.device)
-                    with autocast:
-                        logits = self.model(x)
-                    part = loss_fn(logits, y) * (weight / len(micro))
-                    part.backward()
-                    loss += part.detach().float()
+            loss = self.backward(step, mine, weight, autocast)
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             me = torch.zeros(plan.dp, device=self.device)  # who trained this step (a one-hot, summed below)
             me[self.index] = 1.0 if r is not None else 0.0
@@ -326,12 +317,32 @@ class ReplicaWorker:
                 failed_since = t0 if failed_since is None else failed_since
             self.optimizer.zero_grad(set_to_none=True)
         preemption.NOTICE.finish()  # a SIGTERM from now on is the actor's shutdown
+        return self.result(first_step, failed_steps)
+
+    def backward(self, step: int, shards: list[int], scale: float, autocast: Any) -> torch.Tensor:
+        """Forward and backward over ``shards`` of ``step``'s global batch, each micro-batch's loss scaled by
+        ``scale`` over the shard's micro-batch count (gradients accumulate); returns the summed scaled loss."""
+        loss = torch.zeros((), device=self.device)
+        for s in shards:
+            micro = self.batches[s].micro_batches(step - 1)
+            for x, y in micro:
+                x, y = x.to(self.device), y.to(self.device)
+                with autocast:
+                    logits = self.model(x)
+                part = loss_fn(logits, y) * (scale / len(micro))
+                part.backward()
+                loss += part.detach().float()
+        return loss
+
+    def result(self, first_step: int | None, failed: int, **more: Any) -> dict[str, Any]:
+        """What ``run`` returns: this replica, where it started, whether it healed from a peer, its failed tries."""
         return {
             "replica": self.index,
             "incarnation": self.incarnation,
             "first_step": first_step,
             "healed_from_peer": self.healed_from_peer,
-            "failed_steps": failed_steps,
+            "failed_steps": failed,
+            **more,
         }
 
     def _preemption(self, stops: float, leaving: float, participants: int, noticed: bool) -> str | None:
@@ -356,17 +367,8 @@ class ReplicaWorker:
         preemption.NOTICE.finish()  # done in time: no forced exit
         if how == "left" and self.manager is not None:
             self.manager.shutdown(wait=False)  # its heartbeat stops: the peers' next quorum goes on without it
-        return {
-            "replica": self.index,
-            "incarnation": self.incarnation,
-            "first_step": first_step,
-            "healed_from_peer": self.healed_from_peer,
-            "failed_steps": failed_steps,
-            how: True,
-            "step": step,
-            "cause": self.stop_cause,
-            "noticed": preemption.NOTICE.cause,
-        }
+        more = {how: True, "step": step, "cause": self.stop_cause, "noticed": preemption.NOTICE.cause}
+        return self.result(first_step, failed_steps, **more)
 
     def _save(self, step: int) -> None:
         """The replica state at ``step`` in ``step_XXXXXXXX/`` (a temporary directory renamed when complete: a

@@ -31,7 +31,6 @@ import torch
 from workers import preemption
 from workers.periodic import divergence_alert
 from workers.replica_quorum import NoPeerToHeal, shards_of
-from workers.step import loss_fn
 
 
 def _local_steps(w: Any, first: int, last: int, mine: list[int], autocast: Any) -> tuple[list[float], list[dict]]:
@@ -44,16 +43,7 @@ def _local_steps(w: Any, first: int, last: int, mine: list[int], autocast: Any) 
         w.faults.before_step(step)
         w._enter("compute")
         w.faults.in_compute(step)
-        loss = torch.zeros((), device=w.device)
-        for s in mine:
-            micro = w.batches[s].micro_batches(step - 1)
-            for x, y in micro:
-                x, y = x.to(w.device), y.to(w.device)
-                with autocast:
-                    logits = w.model(x)
-                part = loss_fn(logits, y) / (len(micro) * len(mine))
-                part.backward()
-                loss += part.detach().float()
+        loss = w.backward(step, mine, 1.0 / max(len(mine), 1), autocast)  # the mean over its shards
         if spec.optimizer.grad_clip is not None:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, spec.optimizer.grad_clip)
         else:
@@ -183,10 +173,4 @@ def run_rounds(w: Any, min_step: int) -> dict[str, Any]:
         if leave is not None:
             return w._left(leave, last, first_round, failed_rounds)
     preemption.NOTICE.finish()
-    return {
-        "replica": w.index,
-        "incarnation": w.incarnation,
-        "first_step": first_round,
-        "healed_from_peer": w.healed_from_peer,
-        "failed_steps": failed_rounds,
-    }
+    return w.result(first_round, failed_rounds)

@@ -57,8 +57,10 @@ def wait_for(url: str, run_id: str, statuses: set[str], *, timeout_s: float = 18
     return run
 
 
-def metrics(url: str, run_id: str) -> list[dict[str, Any]]:
-    r = httpx.get(f"{url}/v1/runs/{run_id}/metrics", timeout=30)
+def metrics(url: str, run_id: str, attempt: int | None = None) -> list[dict[str, Any]]:
+    """The run's metric rows (of one ``attempt``: replaced steps included)."""
+    params = {"attempt": attempt, "limit": 1000} if attempt is not None else None
+    r = httpx.get(f"{url}/v1/runs/{run_id}/metrics", params=params, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()["items"]
 

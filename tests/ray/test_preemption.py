@@ -18,12 +18,6 @@ pytestmark = pytest.mark.ray
 LOW_STEPS = 100
 
 
-def _rows(url: str, run_id: str, attempt: int) -> list[dict]:
-    r = httpx.get(f"{url}/v1/runs/{run_id}/metrics", params={"attempt": attempt, "limit": 1000}, timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()["items"]
-
-
 def test_sigterm_to_a_worker_checkpoints_requeues_and_resumes(live_service, reference_dp2_run):
     url = live_service.url
     _, ref_rows = reference_dp2_run
@@ -43,7 +37,7 @@ def test_sigterm_to_a_worker_checkpoints_requeues_and_resumes(live_service, refe
 
     rows = metrics(url, run["id"])
     assert [r["step"] for r in rows] == list(range(1, FT_STEPS + 1))  # continuous, each step once
-    first, second = _rows(url, run["id"], 1), _rows(url, run["id"], 2)
+    first, second = metrics(url, run["id"], attempt=1), metrics(url, run["id"], attempt=2)
     recomputed = {r["step"] for r in first} & {r["step"] for r in second}
     assert len(recomputed) <= 1, sorted(recomputed)
     stopped_at = max(r["step"] for r in first)
@@ -85,7 +79,8 @@ def test_a_higher_priority_run_preempts_a_lower_one_that_later_resumes(live_serv
     assert done["attempts"] == 2
     rows = metrics(url, low["id"])
     assert [r["step"] for r in rows] == list(range(1, LOW_STEPS + 1))
-    assert len({r["step"] for r in _rows(url, low["id"], 1)} & {r["step"] for r in _rows(url, low["id"], 2)}) <= 1
+    first, second = metrics(url, low["id"], attempt=1), metrics(url, low["id"], attempt=2)
+    assert len({r["step"] for r in first} & {r["step"] for r in second}) <= 1
     # the high run waited for the low one: admitted only after the low one was asked to yield (the low one's workers
     # free their slots before its driver writes PREEMPTED, so that write may come a moment after the admission)
     high_start = next(e["time"] for e in events(url, high["id"]) if e["to_status"] == "STARTING")

@@ -88,17 +88,11 @@ def test_a_replica_run_yields_to_a_higher_priority_run_and_resumes_where_it_stop
     rows = metrics(url, low["id"])
     assert [r["step"] for r in rows] == list(range(1, steps + 1))  # every step once
     assert all(r["replicas"] == 2 for r in rows)  # both replicas stopped together, both came back
-    first, second = ({r["step"] for r in _attempt_rows(url, low["id"], a)} for a in (1, 2))
+    first, second = ({r["step"] for r in metrics(url, low["id"], attempt=a)} for a in (1, 2))
     stopped_at = max(first)
     assert stopped_at < steps and min(second) == stopped_at + 1  # the emergency checkpoint: nothing recomputed
     recorded = [e["reason"] for e in ev if e["kind"] == "checkpoint"]
     assert any(r.startswith(f"checkpoint of step {stopped_at} at ") for r in recorded), (stopped_at, recorded)
-
-
-def _attempt_rows(url: str, run_id: str, attempt: int) -> list[dict]:
-    r = httpx.get(f"{url}/v1/runs/{run_id}/metrics", params={"attempt": attempt, "limit": 1000}, timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()["items"]
 
 
 def test_a_diloco_replica_run_keeps_training_through_a_killed_replica(live_service) -> None:
