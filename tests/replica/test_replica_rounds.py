@@ -3,9 +3,9 @@
 
 - unfaulted: the losses (and the divergence at each sync) equal group mode's local SGD / DiLoCo run of the same spec
   (``workers.periodic``, one gloo process group);
-- a replica SIGKILLed mid-round: the round fails for the survivor, which trains it again alone (``batch: keep``:
-  all the shards), the replacement heals from it at a round's start and rejoins; every step is recorded once, with
-  the quorum size of its round.
+- a replica SIGKILLed mid-round: the round fails for the survivor, which trains it again (alone, ``batch: keep``:
+  all the shards; or with the replacement if that is up by then), the replacement heals at a round's start and
+  rejoins; every step is recorded once, with the quorum size of its round.
 """
 
 from __future__ import annotations
@@ -49,9 +49,11 @@ def test_a_replica_killed_mid_round_is_replaced_and_the_round_trained_again(ray_
     by = sorted(rows, key=lambda r: r["step"])
     assert [r["step"] for r in by] == list(range(1, STEPS + 1))  # every step once, the failed round's included
     replicas = [r["replicas"] for r in by]
-    assert replicas[:4] == [2] * 4 and replicas[4:8] == [1] * 4, replicas  # round 2 trained again alone
-    assert all(r["replica_mask"] == 1 for r in by[4:8])
-    assert by[4]["recovery_s"] > 0  # the failed try and the wait for a quorum without the lost replica
+    # round 2 failed and was trained again as one round: alone (mask 1), or with the replacement if it was up by
+    # then (a quorum waits for a replica that heartbeats)
+    assert replicas[:4] == [2] * 4 and len(set(replicas[4:8])) == 1, replicas
+    assert replicas[4] == 2 or all(r["replica_mask"] == 1 for r in by[4:8])
+    assert by[4]["recovery_s"] > 0  # the failed try and the wait for the next quorum
     kinds = [k for k, _ in events]
     assert kinds.count("replica_lost") == 1, events
     assert out["replica_restarts"] == 1 and out["replica_restores"] == 0
