@@ -80,7 +80,7 @@ def run_replicas(
     replica; the summary then says ``preempted``. A SIGTERM on some replicas only makes them leave at a step
     boundary (``replica_preempted``) and be replaced like a lost one, without spending ``max_failures``."""
     ft = spec.fault_tolerance
-    n = plan.dp
+    n, size = plan.layout.dp_replicate, plan.layout.dp_shard  # replicas, workers per replica (HSDP: > 1)
     spec_json, plan_json = spec.model_dump_json(), plan.model_dump_json()
     opts: dict[str, Any] = {
         "num_cpus": spec.resources.cpus_per_worker,
@@ -93,8 +93,10 @@ def run_replicas(
     emit = on_event or (lambda kind, text: None)
     server, address = _lighthouse(ft.min_replicas, timeouts(spec)[1])
     incarnation = dict.fromkeys(range(n), 1)
-    actors: dict[int, Any] = {}
-    running: dict[Any, int] = {}
+    actors: dict[int, Any] = {}  # replica -> its worker 0 (rows, phases, the run's summary)
+    group: dict[int, list[Any]] = {}  # replica -> all its workers
+    running: dict[Any, int] = {}  # worker 0's run() -> replica
+    follow: dict[Any, int] = {}  # the other workers' run() -> replica (their end only matters if they die)
     seen: dict[int, dict[str, Any]] = {}
     recoveries: list[dict[str, Any]] = []
     pending: dict[int, dict[str, Any]] = {}  # replica -> its open recovery (rejoin not yet seen)
@@ -113,21 +115,45 @@ def run_replicas(
     last_saved: list[str] = []
     next_poll = [0.0]
 
-    def start(i: int, from_storage: bool) -> Any:
+    def start(i: int, from_storage: bool) -> list[Any]:
         phases.pop(i, None)
         hung.discard(i)
-        a = ReplicaWorker.options(**opts).remote(i, incarnation[i], spec_json, plan_json, ckpt_dir, from_storage)  # type: ignore[attr-defined]
-        actors[i] = a
-        if asked:
-            a.request_preempt.remote(asked[0])
-        return a
+        group[i] = [
+            ReplicaWorker.options(**opts).remote(i, incarnation[i], spec_json, plan_json, ckpt_dir, from_storage, j)  # type: ignore[attr-defined]
+            for j in range(size)
+        ]
+        actors[i] = group[i][0]
+        for a in group[i]:
+            if asked:
+                a.request_preempt.remote(asked[0])
+        return group[i]
 
     def launch(ids: list[int], from_storage: bool, min_step: int = 0) -> list[dict[str, Any]]:
+        """Start replicas ``ids``; every worker's info (rank order)."""
         started = [start(i, from_storage) for i in ids]
-        infos = ray.get([a.ready.remote(address) for a in started])  # every Manager heartbeats before any quorum
-        for i, a in zip(ids, started):
-            running[a.run.remote(min_step)] = i
+        stores = ray.get([ws[0].open_store.remote() for ws in started])
+        # every Manager heartbeats before any quorum; a replica's workers join its process group together
+        infos = ray.get([a.ready.remote(address, *store) for ws, store in zip(started, stores) for a in ws])
+        for i, ws in zip(ids, started):
+            running[ws[0].run.remote(min_step)] = i
+            for a in ws[1:]:
+                follow[a.run.remote(min_step)] = i
         return infos
+
+    def kill(i: int) -> None:
+        """Every worker of replica ``i``: one lost worker loses its replica (the others would wait on it in FSDP's
+        collectives), whose worker 0 then ends as a lost replica's."""
+        for ref in [ref for ref, j in follow.items() if j == i]:
+            del follow[ref]
+        for a in group.get(i, []):
+            with contextlib.suppress(Exception):
+                ray.kill(a)
+
+    def placed(infos: list[dict[str, Any]]) -> None:
+        emit(
+            "placement",
+            "rank -> node: " + json.dumps({str(x["rank"]): f"{x['node_id'][:12]} pid {x['pid']}" for x in infos}),
+        )
 
     def drain() -> None:
         for i, a in list(actors.items()):
@@ -177,6 +203,7 @@ def run_replicas(
         """Every replica stops after ``out["step"]`` (the service asked, or each got a SIGTERM): wait for the
         others that trained that step (the first of them checkpoints it); the others (a replacement still
         joining) are dropped."""
+        follow.clear()
         stopped.update(step=int(out["step"]), cause=out.get("cause"), ranks=set(noticed))
         if out.get("noticed"):
             stopped["ranks"].add(i)
@@ -193,8 +220,7 @@ def run_replicas(
     def replace_preempted(i: int, out: dict[str, Any]) -> None:
         """Replica ``i`` got a SIGTERM and left after step ``out["step"]``: a replacement heals from the others (a
         notice is no failure: ``max_failures`` is not spent)."""
-        with contextlib.suppress(Exception):
-            ray.kill(actors[i])
+        kill(i)
         incarnation[i] += 1
         noticed.add(i)
         emit(
@@ -202,8 +228,7 @@ def run_replicas(
             f"replica {i} got a preemption notice ({out.get('noticed') or 'SIGTERM'}) and left after step "
             f"{out['step']}; {len(running)} of {n} replicas go on; a replacement starts and heals from a live peer",
         )
-        info = launch([i], from_storage=False, min_step=int(out["step"]))[0]
-        emit("placement", "rank -> node: " + json.dumps({str(i): f"{info['node_id'][:12]} pid {info['pid']}"}))
+        placed(launch([i], from_storage=False, min_step=int(out["step"])))
         pending[i] = {"replica": i, "lost_step": int(out["step"]), "lost_at": time.time(), "rejoin_s": None}
 
     def kill_hung() -> None:
@@ -222,8 +247,7 @@ def run_replicas(
                 f"replica {i} has been in {phase} for {in_phase:.0f} s, over the hang timeout of {limit:.0f} s "
                 f"(resources.hang_timeout_s): hung; it is killed and replaced",
             )
-            with contextlib.suppress(Exception):
-                ray.kill(actors[i])
+            kill(i)
 
     try:
         infos = launch(list(range(n)), from_storage=True)
@@ -233,11 +257,20 @@ def run_replicas(
         if resumed:
             emit("replicas_restored", f"{n} replicas start from the checkpoint of step {resumed} on storage")
         while running:
-            done, _ = ray.wait(list(running), num_returns=1, timeout=POLL_S)
+            done, _ = ray.wait([*running, *follow], num_returns=1, timeout=POLL_S)
             drain()
             kill_hung()
             pass_on_preemption()
             for ref in done:
+                if ref in follow:  # a worker of a sharded replica other than its worker 0
+                    i = follow.pop(ref)
+                    try:
+                        ray.get(ref)
+                    except (RayActorError, RayTaskError):
+                        kill(i)  # its replica is lost with it: handled when worker 0's run() ends
+                    continue
+                if ref not in running:
+                    continue
                 i = running.pop(ref)
                 try:
                     out = ray.get(ref)
@@ -256,8 +289,7 @@ def run_replicas(
                         if raised_at == max(seen, default=0):
                             raise
                         raised_at = max(seen, default=0)
-                        with contextlib.suppress(Exception):
-                            ray.kill(actors[i])
+                    kill(i)
                     lost_at = time.time()
                     step = max(seen, default=0)
                     spent = budget != -1 and restarts >= budget
@@ -272,6 +304,7 @@ def run_replicas(
                         restarts += 1
                         restores += 1
                         for j in range(n):
+                            kill(j)
                             incarnation[j] += 1
                         gone.clear()
                         back = launch(list(range(n)), from_storage=True)[0]["step"]
@@ -307,19 +340,17 @@ def run_replicas(
                         + " starts and heals from a live peer",
                     )
                     t_start = time.time()
-                    info = launch([i], from_storage=False, min_step=step)[0]
-                    placed = {str(i): f"{info['node_id'][:12]} pid {info['pid']}"}
-                    emit("placement", "rank -> node: " + json.dumps(placed))  # the replacement, as the attempt's ranks
+                    placed(launch([i], from_storage=False, min_step=step))  # the replacement, as the attempt's ranks
                     rec.update(detect_s=t_start - lost_at, restart_s=time.time() - t_start, rejoin_s=None)
                     recoveries.append(rec)
                     pending[i] = rec
             if max(seen, default=0) >= spec.train.steps and running:
                 _finish(running, seen[max(seen)])
+                follow.clear()
         drain()
     finally:
-        for a in actors.values():
-            with contextlib.suppress(Exception):
-                ray.kill(a)
+        for i in list(group):
+            kill(i)
         server.shutdown()
     ordered = [seen[k]["loss"] for k in sorted(seen)]
     return {

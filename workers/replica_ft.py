@@ -47,9 +47,11 @@ from workers.data import StepBatches, make_source
 from workers.diagnostics import FaultInjector, RankState
 from workers.models import build_model, materialize
 from workers.optim import build_optimizer, build_scheduler
+from workers.parallelize import clip_grad_norm_
 from workers.periodic import outer_optimizer
 from workers.replica_quorum import NoPeerToHeal, shards_of
 from workers.replica_rounds import run_rounds
+from workers.replica_shard import ShardGroup, flat_local, load_local, local, state_file, to_local
 from workers.step import loss_fn
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,6 @@ log = logging.getLogger(__name__)
 JOIN_TIMEOUT_MS = 30000  # how long a quorum waits for a replica that heartbeats but has not asked to join
 COLLECTIVE_TIMEOUT_S = 60.0  # an all-reduce waiting this long on a silent peer fails the step (not the replica)
 CKPT_RE = re.compile(r"^step_(\d{8})$")
-STATE_FILE = "state.pt"
 PERIODIC = ("local_sgd", "diloco")
 
 
@@ -73,7 +74,7 @@ def latest_checkpoint(ckpt_dir: str | None) -> Path | None:
     (written under another name, then renamed: no partial checkpoint is ever listed)."""
     if not ckpt_dir or not Path(ckpt_dir).is_dir():
         return None
-    found = sorted(p for p in Path(ckpt_dir).iterdir() if CKPT_RE.match(p.name) and (p / STATE_FILE).is_file())
+    found = sorted(p for p in Path(ckpt_dir).iterdir() if CKPT_RE.match(p.name) and (p / state_file(0)).is_file())
     return found[-1] if found else None
 
 
@@ -82,51 +83,49 @@ class ReplicaWorker:
     """One data-parallel replica: model, optimizer, LR schedule, data shards and a torchft Manager."""
 
     def __init__(
-        self, index: int, incarnation: int, spec_json: str, plan_json: str, ckpt_dir: str | None, from_storage: bool
+        self,
+        index: int,
+        incarnation: int,
+        spec_json: str,
+        plan_json: str,
+        ckpt_dir: str | None,
+        from_storage: bool,
+        rank: int = 0,
     ) -> None:
         self.index, self.incarnation = index, incarnation
         self.spec = spec = RunSpec.model_validate_json(spec_json)
         self.plan = plan = Plan.model_validate_json(plan_json)
+        # HSDP in replica mode: ``size`` workers per replica shard the model (``workers.replica_shard``); this is
+        # worker ``rank`` of replica ``index``, global rank index * size + rank
+        self.rank, self.size, self.replicas = rank, plan.layout.dp_shard, plan.layout.dp_replicate
         torch.set_num_threads(max(1, int(spec.resources.cpus_per_worker)))
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if plan.device == "cuda" else torch.device("cpu")
         )
         torch.manual_seed(spec.train.seed)
         self.model = materialize(build_model(plan.model, device="meta"), device=self.device, seed=spec.train.seed)
-        self.optimizer = build_optimizer([self.model], spec, plan)
-        self.scheduler = build_scheduler(self.optimizer, spec)
         src = make_source(spec.data, seq_len=plan.model.seq_len, vocab_size=plan.model.vocab_size, seed=spec.train.seed)
-        self.batches = [
+        self.batches = [  # replica share s of the global batch: this worker's slice of it (a DDP/HSDP dp rank's)
             StepBatches(
                 src,
                 global_batch_size=plan.global_batch_size,
                 micro_batch_size=plan.micro_batch_size,
-                dp_rank=s,
+                dp_rank=s * self.size + rank,
                 dp_size=plan.dp,
                 seed=spec.train.seed,
             )
-            for s in range(plan.dp)
+            for s in range(self.replicas)
         ]
-        self.ckpt_dir = ckpt_dir
+        self.ckpt_dir, self.from_storage = ckpt_dir, from_storage
         self.restored_step = 0
         self.periodic = spec.layout.sync in PERIODIC  # local SGD / DiLoCo rounds (``workers.replica_rounds``)
-        if self.periodic:
-            with torch.no_grad():
-                self.anchor = [p.detach().clone().float() for p in self.model.parameters() if p.requires_grad]
-            self.outer = outer_optimizer(self.anchor, spec)
-            self.steps_done = 0  # the steps of the committed rounds (torchft's step counts rounds)
-            self.divergences: list[float] = []
-        if from_storage and (path := latest_checkpoint(ckpt_dir)) is not None:
-            state = torch.load(path / STATE_FILE, map_location=self.device, weights_only=False)
-            self._load({k: v for k, v in state.items() if k != "torchft"})
-            self.restored_step = self.steps_done if self.periodic else int(state["torchft"]["step"])
-            self._restored_torchft = state["torchft"]
-        state = RankState(rank=index, world_size=plan.dp, run_id="replica", attempt=incarnation)
-        self.faults = FaultInjector(spec.faults, rank=index, attempt=incarnation, state=state)
+        state = RankState(rank=index * self.size + rank, world_size=plan.dp, run_id="replica", attempt=incarnation)
+        self.faults = FaultInjector(spec.faults, rank=index * self.size + rank, attempt=incarnation, state=state)
         self.rows: list[dict[str, Any]] = []
         self.saved: list[tuple[int, str]] = []  # checkpoints written, not yet taken by the driver
         self.lock = Lock()
         self.manager: Any = None
+        self.shards: ShardGroup | None = None
         self.healed_from_peer = False
         self.rejoining = incarnation > 1 and not from_storage  # a replacement: its first step waits for its heal
         self.phase, self.phase_t = "start", time.monotonic()  # where run() is, and since when (``take_rows``)
@@ -135,14 +134,33 @@ class ReplicaWorker:
         preemption.NOTICE.reset()
         preemption.install(preemption.NOTICE)  # SIGTERM = a notice; a threaded actor's __init__ is on its main thread
 
+    def _setup(self) -> None:
+        """The optimizer, the LR schedule and the periodic modes' anchor (after FSDP sharded the model), then the
+        newest checkpoint on storage when this replica starts from it."""
+        spec = self.spec
+        self.optimizer = build_optimizer([self.model], spec, self.plan)
+        self.scheduler = build_scheduler(self.optimizer, spec)
+        if self.periodic:
+            with torch.no_grad():
+                self.anchor = [p.detach().clone().float() for p in self.model.parameters() if p.requires_grad]
+            self.outer = outer_optimizer(self.anchor, spec)
+            self.steps_done = 0  # the steps of the committed rounds (torchft's step counts rounds)
+            self.divergences: list[float] = []
+        if self.from_storage and (path := latest_checkpoint(self.ckpt_dir)) is not None:
+            state = torch.load(path / state_file(self.rank), map_location=self.device, weights_only=False)
+            self._load({k: v for k, v in state.items() if k != "torchft"})
+            self.restored_step = self.steps_done if self.periodic else int(state["torchft"]["step"])
+            self._restored_torchft = state["torchft"]
+
     def _enter(self, phase: str) -> None:
         self.phase, self.phase_t = phase, time.monotonic()
 
     # ------------------------------------------------------------------ state shared with peers
     def _state(self) -> dict[str, Any]:
+        """This worker's state (its shards when the replica is sharded: ``replica_shard.to_local``)."""
         state: dict[str, Any] = {
-            "model": self.model.state_dict(),
-            "optim": self.optimizer.state_dict(),
+            "model": to_local(self.model.state_dict()),
+            "optim": to_local(self.optimizer.state_dict()),
             "sched": self.scheduler.state_dict(),
         }
         if self.periodic:  # the round's anchor and the outer optimizer, and how far the committed rounds got
@@ -150,8 +168,7 @@ class ReplicaWorker:
         return state
 
     def _load(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optim"])
+        load_local(self.model, self.optimizer, state["model"], state["optim"])
         self.scheduler.load_state_dict(state["sched"])
         if self.periodic:
             with torch.no_grad():
@@ -164,13 +181,29 @@ class ReplicaWorker:
         self._load(state)
         self.healed_from_peer = True
 
-    def ready(self, lighthouse: str) -> dict[str, Any]:
-        """Start this replica's torchft Manager (it heartbeats to the lighthouse from now on)."""
+    def open_store(self) -> tuple[str, int]:
+        """Worker 0 of the replica: the replica's ``TCPStore`` (torchft's Manager and the replica's process group
+        meet on it); its address for every worker's ``ready``."""
+        ip = node_ip()
+        self.store = torch.distributed.TCPStore(host_name=ip, port=0, is_master=True, wait_for_workers=False)
+        return ip, int(self.store.port)
+
+    def ready(self, lighthouse: str, store_host: str, store_port: int) -> dict[str, Any]:
+        """Join the replica's process group and shard the model over it (several workers per replica), build the
+        optimizer, then start this worker's torchft Manager (the replica heartbeats to the lighthouse from now
+        on). Every worker of the replica calls it at once: each waits for the others."""
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         ip = node_ip()
-        self.store = torch.distributed.TCPStore(host_name=ip, port=0, is_master=True, wait_for_workers=False)
+        if self.rank:
+            self.store = torch.distributed.TCPStore(
+                host_name=store_host, port=store_port, is_master=False, wait_for_workers=False
+            )
+        if self.size > 1:
+            self.shards = ShardGroup(self.store, self.rank, self.size, self.device)
+            self.model = self.shards.shard(self.model, self.spec, self.plan)
+        self._setup()
         timeout = timedelta(seconds=timeouts(self.spec)[0])
         pg = ProcessGroupNCCL(timeout=timeout) if self.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
@@ -182,10 +215,10 @@ class ReplicaWorker:
             timeout=timeout,
             quorum_timeout=timedelta(seconds=120),
             connect_timeout=timedelta(seconds=30),
-            rank=0,
-            world_size=1,
-            store_addr=ip,
-            store_port=self.store.port,
+            rank=self.rank,  # worker j of every replica: one cross-replica group of torchft (HSDP's replicate dim)
+            world_size=self.size,
+            store_addr=store_host,
+            store_port=store_port,
             lighthouse_addr=lighthouse,
             replica_id=f"replica_{self.index}",
             hostname=ip,
@@ -194,10 +227,10 @@ class ReplicaWorker:
         if self.restored_step:
             self.manager.load_state_dict(self._restored_torchft)
         return {
-            "rank": self.index,
+            "rank": self.index * self.size + self.rank,
             "node_id": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),
-            "local_rank": 0,
+            "local_rank": self.rank,
             "host": os.uname().nodename,
             "step": self.restored_step,
         }
@@ -228,7 +261,7 @@ class ReplicaWorker:
             if spec.precision == "bf16"
             else contextlib.nullcontext()
         )
-        shard_samples = plan.global_batch_size // plan.dp
+        shard_samples = plan.global_batch_size // self.replicas
         first_step: int | None = None
         failed_steps = 0
         failed_since: float | None = None
@@ -244,34 +277,34 @@ class ReplicaWorker:
                 raise NoPeerToHeal(f"replica {self.index} is at step {step - 1} with no live peer at step {min_step}")
             first_step = step if first_step is None else first_step
             q, r = mgr.num_participants(), mgr.participating_rank()
-            mine = shards_of(r, q, plan.dp, self.index, ft.batch)
-            weight = q / plan.dp if ft.batch == "keep" else 1.0
+            mine = shards_of(r, q, self.replicas, self.index, ft.batch)
+            weight = q / self.replicas if ft.batch == "keep" else 1.0
             self._enter("compute")
             self.faults.in_compute(step)
-            loss = self.backward(step, mine, weight, autocast)
+            loss = self.backward(step, mine, weight, autocast)  # sharded: FSDP averaged it over the replica
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            me = torch.zeros(plan.dp, device=self.device)  # who trained this step (a one-hot, summed below)
-            me[self.index] = 1.0 if r is not None else 0.0
             noticed = preemption.NOTICE.requested and r is not None  # what this replica votes (``_preemption``)
-            votes = torch.tensor([float(self.stop_cause is not None), float(noticed)], device=self.device)
-            flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss.reshape(1), me, votes])
+            loss, stop, noticed = self._agree(loss, self.stop_cause is not None, noticed)
+            me = torch.zeros(self.replicas, device=self.device)  # who trained this step (a one-hot, summed below)
+            me[self.index] = 1.0 if r is not None else 0.0
+            votes = torch.tensor([float(stop), float(noticed)], device=self.device)
+            flat = torch.cat([flat_local(grads), loss.reshape(1), me, votes])
             self._enter("allreduce")
-            mgr.allreduce(flat).wait()  # averaged over the participants
+            mgr.allreduce(flat).wait()  # averaged over the participants (worker j's shards with worker j's)
             self._enter("compute")
-            tail = (flat[-plan.dp - 2 :] * max(q, 1)).round().tolist()
-            who, (stops, leaving) = tail[: plan.dp], tail[plan.dp :]
+            tail = (flat[-self.replicas - 2 :] * max(q, 1)).round().tolist()
+            who, (stops, leaving) = tail[: self.replicas], tail[self.replicas :]
             mask = sum(1 << i for i, v in enumerate(who) if v > 0)
-            flat = flat[: -plan.dp - 2]
+            flat = flat[: -self.replicas - 2]
             off = 0
-            for p, g in zip(params, grads):
-                n = g.numel()
-                p.grad = flat[off : off + n].view_as(g).to(g.dtype)
-                off += n
-            grad_norm = (
-                torch.nn.utils.clip_grad_norm_(params, spec.optimizer.grad_clip)
-                if spec.optimizer.grad_clip is not None
-                else torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
-            )
+            with torch.no_grad():
+                for p, g in zip(params, grads):
+                    mine_g = local(g)
+                    n = mine_g.numel()
+                    mine_g.copy_(flat[off : off + n].view_as(mine_g))
+                    p.grad = g
+                    off += n
+            grad_norm = clip_grad_norm_(params, spec.optimizer.grad_clip)
             lr = self.optimizer.param_groups[0]["lr"]
             self._enter("commit")
             committed = mgr.should_commit()
@@ -302,8 +335,9 @@ class ReplicaWorker:
                 elif grew:  # a replacement joined: the wait while it healed from a peer
                     row["rejoin_s"] = tq - began
                 failed_since, prev_q = None, q
-                with self.lock:
-                    self.rows.append(row)
+                if self.rank == 0:  # the replica's row (its other workers have the same)
+                    with self.lock:
+                        self.rows.append(row)
                 periodic = bool(spec.checkpoint.every_steps) and step % spec.checkpoint.every_steps == 0
                 leave = self._preemption(stops, leaving, q, noticed)
                 if r == 0 and (periodic or leave == "preempted"):
@@ -318,6 +352,15 @@ class ReplicaWorker:
             self.optimizer.zero_grad(set_to_none=True)
         preemption.NOTICE.finish()  # a SIGTERM from now on is the actor's shutdown
         return self.result(first_step, failed_steps)
+
+    def _agree(self, loss: torch.Tensor, stop: bool, noticed: bool) -> tuple[torch.Tensor, bool, bool]:
+        """A sharded replica's workers agree on the step's loss (their mean) and on its votes (any worker's):
+        every worker of a replica then adds the same values to the cross-replica all-reduce."""
+        if self.shards is None:
+            return loss, stop, noticed
+        t = torch.tensor([float(loss), float(stop), float(noticed)], device=self.device)
+        got = self.shards.sum(t).tolist()
+        return torch.tensor(got[0] / self.size, device=self.device), got[1] > 0, got[2] > 0
 
     def backward(self, step: int, shards: list[int], scale: float, autocast: Any) -> torch.Tensor:
         """Forward and backward over ``shards`` of ``step``'s global batch, each micro-batch's loss scaled by
@@ -372,13 +415,18 @@ class ReplicaWorker:
 
     def _save(self, step: int) -> None:
         """The replica state at ``step`` in ``step_XXXXXXXX/`` (a temporary directory renamed when complete: a
-        crash never leaves a listed partial checkpoint); keeps the newest ``checkpoint.keep``."""
+        crash never leaves a listed partial checkpoint); keeps the newest ``checkpoint.keep``. A sharded replica:
+        every worker writes its shards (``state_file(rank)``), worker 0 renames once all have."""
         if not self.ckpt_dir:
             return
         d = Path(self.ckpt_dir)
-        tmp = d / f".step_{step:08d}.{os.getpid()}.tmp"
+        tmp = d / f".step_{step:08d}.{self.index}.{self.incarnation}.tmp"
         tmp.mkdir(parents=True, exist_ok=True)
-        torch.save({**self._state(), "torchft": self.manager.state_dict()}, tmp / STATE_FILE)
+        torch.save({**self._state(), "torchft": self.manager.state_dict()}, tmp / state_file(self.rank))
+        if self.shards is not None:
+            self.shards.barrier()
+        if self.rank:
+            return
         final = d / f"step_{step:08d}"
         if final.exists():  # the same step saved before a restore from storage: replace it
             shutil.rmtree(final, ignore_errors=True)
@@ -391,6 +439,8 @@ class ReplicaWorker:
     def shutdown(self) -> None:
         if self.manager is not None:
             self.manager.shutdown(wait=False)
+        if self.shards is not None:
+            self.shards.close()
 
 
 def timeouts(spec: RunSpec) -> tuple[float, int]:

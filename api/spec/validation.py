@@ -372,16 +372,31 @@ def _check_elastic_layouts(spec: RunSpec, chk: SpecCheck) -> None:
 
 
 def _check_fault_tolerance(spec: RunSpec, chk: SpecCheck) -> None:
-    """``fault_tolerance.mode: replica``: each replica is one worker of plain data parallelism (torchft quorum)."""
+    """``fault_tolerance.mode: replica``: each replica is one worker of plain data parallelism, or an FSDP shard group
+    of ``shard_group_size`` workers (HSDP's replicate dimension), tied to the others by a torchft quorum."""
     ft, lay = spec.fault_tolerance, spec.layout
     if ft.mode != "replica":
         return
     fix = "(or fault_tolerance.mode: group)"
+    sgs = lay.shard_group_size
+    hsdp = lay.zero_stage >= 2 and sgs is not None and sgs < lay.dp  # replicas of FSDP shard groups
+    replicas = lay.dp // sgs if hsdp and sgs else lay.dp
     for name, bad, why in (
         ("layout.dp", lay.dp < 2, "needs data-parallel replicas to keep training: set dp >= 2"),
-        ("layout.tp", lay.tp > 1, "each replica is one worker in this version: use tp 1"),
-        ("layout.pp", lay.pp > 1, "each replica is one worker in this version: use pp 1"),
-        ("layout.zero_stage", lay.zero_stage != 0, "replicas hold whole copies of the state: use zero_stage 0"),
+        ("layout.tp", lay.tp > 1, "a replica is data parallel (one worker, or an FSDP shard group): use tp 1"),
+        ("layout.pp", lay.pp > 1, "a replica is data parallel (one worker, or an FSDP shard group): use pp 1"),
+        (
+            "layout.zero_stage",
+            lay.zero_stage == 1 or (lay.zero_stage >= 2 and not hsdp),
+            "replicas hold whole copies of the state (zero_stage 0), or shard it inside groups of "
+            "layout.shard_group_size workers with HSDP (zero_stage 2 or 3 and shard_group_size < dp): use one of those",
+        ),
+        (
+            "layout.shard_group_size",
+            hsdp and lay.sync != "sync",
+            "local_sgd and diloco replicas are one worker each: remove shard_group_size and use zero_stage 0",
+        ),
+        ("layout.cpu_offload", lay.cpu_offload, "use cpu_offload false"),
         (
             "layout.sync",
             lay.sync not in ("sync", "local_sgd", "diloco"),
@@ -393,10 +408,12 @@ def _check_fault_tolerance(spec: RunSpec, chk: SpecCheck) -> None:
     ):
         if bad:
             chk.error(name, f"fault_tolerance.mode replica: {why} {fix}", "unsupported_layout")
-    if ft.min_replicas > lay.dp:
+    if ft.min_replicas > replicas:
         chk.error(
             "fault_tolerance.min_replicas",
-            f"min_replicas={ft.min_replicas} > dp={lay.dp}: no step could commit; use 1..{lay.dp}",
+            f"min_replicas={ft.min_replicas} > {replicas} replicas (dp={lay.dp}"
+            + (f" in shard groups of {sgs}" if hsdp else "")
+            + f"): no step could commit; use 1..{replicas}",
         )
 
 

@@ -251,7 +251,9 @@ def _run_replicas(spec: RunSpec, plan: Plan, channel: Any, ckpt_dir: str | None)
 
     def start(ranks: list[dict[str, Any]]) -> None:
         nonlocal attempt
-        cause = f"start (fault_tolerance replica: {plan.dp} torchft replicas)"
+        lay = plan.layout
+        each = f" of {lay.dp_shard} FSDP workers" if lay.dp_shard > 1 else ""
+        cause = f"start (fault_tolerance replica: {lay.dp_replicate} torchft replicas{each})"
         attempt = ray.get(channel.begin_attempt.remote({"cause": cause, "ranks": ranks}))
 
     poll = ControlPoll(channel)

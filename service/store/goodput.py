@@ -213,8 +213,10 @@ LOST_RE = re.compile(r"^replica (\d+) lost")
 
 
 def _replica_count(run: Run) -> int:
+    """Replica mode's replicas: ``dp_replicate`` (HSDP: FSDP shard groups of several workers), else ``dp``."""
     plan = run.plan or {}
-    return int((plan.get("layout") or {}).get("dp") or ((run.spec or {}).get("layout") or {}).get("dp") or 1)
+    lay = plan.get("layout") or {}
+    return int(lay.get("dp_replicate") or lay.get("dp") or ((run.spec or {}).get("layout") or {}).get("dp") or 1)
 
 
 def _counted(run_id: str, attempt: int, redo_from: int | None) -> list[Any]:

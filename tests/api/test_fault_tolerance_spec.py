@@ -1,4 +1,5 @@
-"""fault_tolerance through HTTP: replica mode is accepted for plain data parallelism and refused with a 422 that
+"""fault_tolerance through HTTP: replica mode is accepted for plain data parallelism and for replicas of FSDP shard
+groups (HSDP), and refused with a 422 that
 names the field and the fix where it does not compose; the default stays whole-group restart."""
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ def test_default_is_group_and_replica_mode_is_stored(client) -> None:
     r = client.post("/v1/runs", json=hung)  # a hung replica is detected and replaced in replica mode too
     assert r.status_code == 201, r.text
     assert r.json()["spec"]["resources"]["hang_timeout_s"] == 5
+    hsdp = _spec({"mode": "replica", "min_replicas": 2}, dp=4, zero_stage=3, shard_group_size=2)
+    r = client.post("/v1/runs", json=hsdp)  # replicas of FSDP shard groups (HSDP's replicate dimension)
+    assert r.status_code == 201, r.text
+    assert (r.json()["plan"]["dp_replicate"], r.json()["plan"]["dp_shard"]) == (2, 2)
 
 
 @pytest.mark.parametrize(
@@ -38,7 +43,23 @@ def test_default_is_group_and_replica_mode_is_stored(client) -> None:
         (_spec({"mode": "replica"}, dp=1), "layout.dp", "dp >= 2"),
         (_spec({"mode": "replica"}, tp=2), "layout.tp", "tp 1"),
         (_spec({"mode": "replica"}, pp=2), "layout.pp", "pp 1"),
-        (_spec({"mode": "replica"}, zero_stage=3), "layout.zero_stage", "zero_stage 0"),
+        (_spec({"mode": "replica"}, zero_stage=3), "layout.zero_stage", "shard_group_size < dp"),  # one group
+        (_spec({"mode": "replica"}, zero_stage=1), "layout.zero_stage", "zero_stage 0"),
+        (
+            _spec({"mode": "replica"}, dp=4, zero_stage=3, shard_group_size=2, sync="diloco"),
+            "layout.shard_group_size",
+            "remove shard_group_size",
+        ),
+        (
+            _spec({"mode": "replica"}, dp=4, zero_stage=3, shard_group_size=2, cpu_offload=True),
+            "layout.cpu_offload",
+            "false",
+        ),
+        (
+            _spec({"mode": "replica", "min_replicas": 3}, dp=4, zero_stage=3, shard_group_size=2),
+            "fault_tolerance.min_replicas",
+            "1..2",
+        ),
         (_spec({"mode": "replica"}, sync="async_ps"), "layout.sync", "local_sgd, diloco"),
         ({**_spec({"mode": "replica"}), "precision": "fp16"}, "precision", "bf16"),
         ({**_spec({"mode": "replica"}), "elastic": {"min_dp": 1}}, "elastic", "remove elastic"),

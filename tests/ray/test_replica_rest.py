@@ -1,6 +1,7 @@
 """fault_tolerance.mode replica through the service: a replica SIGKILLed mid-run, the other keeps stepping, the run
 SUCCEEDS with every step once, and the rows show the replica count dropping to 1 and back to 2; a replica run
-preempted by a higher-priority run stops both replicas at one checkpointed step and resumes from the next."""
+preempted by a higher-priority run stops both replicas at one checkpointed step and resumes from the next; a DiLoCo
+replica run and an HSDP one (replicas of FSDP shard groups) through a lost replica."""
 
 from __future__ import annotations
 
@@ -119,3 +120,38 @@ def test_a_diloco_replica_run_keeps_training_through_a_killed_replica(live_servi
     assert rows[4]["recovery_s"] > 0
     assert [r["step"] for r in rows if r.get("replica_divergence") is not None] == [4, 8, 12]
     assert [e["kind"] for e in events(url, run["id"])].count("replica_lost") == 1
+
+
+def test_an_hsdp_replica_run_loses_a_worker_and_replaces_its_shard_group(live_service) -> None:
+    """HSDP's replicate dimension in replica mode through the service: dp=4 in FSDP shard groups of 2 is two replicas
+    of two workers. A SIGKILLed worker loses its replica (both its workers, restarted together), the other replica
+    trains on alone, the run SUCCEEDS in one attempt with every step once, and goodput counts two replicas."""
+    url = live_service.url
+    spec = tiny_spec(
+        "e2e-replica-hsdp",
+        dp=4,
+        steps=12,
+        layout={"zero_stage": 3, "shard_group_size": 2},
+        fault_tolerance={"mode": "replica"},
+        faults={"kill_rank": {"rank": 3, "at_step": 4}, "slow_rank": {"rank": 0, "delay_s": 0.8}},
+        resources={"device": "cpu", "cpus_per_worker": 0.5, "max_failures": 2},
+    )
+    run = submit(url, spec)
+    assert (run["plan"]["dp_replicate"], run["plan"]["dp_shard"]) == (2, 2)
+    done = wait_for(url, run["id"], {"SUCCEEDED", "FAILED"}, timeout_s=400)
+    assert done["status"] == "SUCCEEDED", done.get("status_reason")
+    assert done["attempts"] == 1
+    rows = metrics(url, run["id"])
+    assert [r["step"] for r in rows] == list(range(1, 13))  # every step once
+    replicas = [r["replicas"] for r in rows]
+    assert replicas[:3] == [2, 2, 2] and 1 in replicas, replicas
+    assert all(r["replica_mask"] == 1 for r in rows if r["replicas"] == 1)  # replica 0 went on alone
+    evs = events(url, run["id"])
+    placements = [e["reason"] for e in evs if e["kind"] == "placement"]
+    assert len(placements) == 2, placements  # the attempt's four ranks, then the replacement's two
+    assert all(f'"{k}":' in placements[0] for k in "0123") and '"2":' in placements[1] and '"3":' in placements[1]
+    lost = next(e["reason"] for e in evs if e["kind"] == "replica_lost")
+    assert lost.startswith("replica 1 lost at step 4") and "1 of 2 replicas go on" in lost
+    g = httpx.get(f"{url}/v1/runs/{run['id']}/goodput", timeout=30).json()
+    assert sorted(r["replica"] for r in g["replicas"]) == [0, 1]  # replicas, not workers
+    assert next(r for r in g["replicas"] if r["replica"] == 1)["losses"] == 1
