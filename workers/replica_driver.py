@@ -1,7 +1,9 @@
 """The driver side of ``fault_tolerance.mode: replica`` (``workers.replica_ft`` has the replicas): torchft's
 lighthouse in this process, one ``ReplicaWorker`` actor per data-parallel replica, and the loop that forwards every
 committed step once, replaces a lost replica (it heals from a live peer), kills a hung one (stuck past the hang
-timeout in a phase of its own) and restores every replica from storage when none is left."""
+timeout in a phase of its own) and restores every replica from storage when none is left. A replica of several
+workers (HSDP: an FSDP shard group, ``workers.replica_shard``) is started, lost and replaced as a whole, its
+workers packed in a placement group of their own."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from api.spec import Plan, RunSpec
 from api.spec.run import hang_limit_s
@@ -41,6 +45,23 @@ def _lighthouse(min_replicas: int, join_timeout_ms: int = JOIN_TIMEOUT_MS) -> tu
     )
     port = server.address().rsplit(":", 1)[1]
     return server, f"http://{ip}:{port}"
+
+
+def _replica_placement(opts: dict[str, Any], size: int, name: str) -> Any:
+    """A sharded replica's workers in one placement group, packed on as few nodes as fit (FSDP's collectives
+    stay inside a node where they can), or None: one worker per replica, or workers that ask for no resource."""
+    bundle = {k: float(opts.get(o) or 0) for k, o in (("CPU", "num_cpus"), ("GPU", "num_gpus"))}
+    bundle = {k: v for k, v in bundle.items() if v > 0}
+    if size < 2 or not bundle:
+        return None
+    return placement_group([bundle] * size, strategy="PACK", name=name)
+
+
+def _bundle(pg: Any, j: int) -> dict[str, Any]:
+    """Actor options placing worker ``j`` of a replica in its bundle of ``pg`` (none without one)."""
+    if pg is None:
+        return {}
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=j)}
 
 
 def _finish(running: dict[Any, int], last: dict[str, Any]) -> None:
@@ -97,6 +118,7 @@ def run_replicas(
     group: dict[int, list[Any]] = {}  # replica -> all its workers
     running: dict[Any, int] = {}  # worker 0's run() -> replica
     follow: dict[Any, int] = {}  # the other workers' run() -> replica (their end only matters if they die)
+    pgs: dict[int, Any] = {}  # replica -> the placement group that packs its workers (several per replica)
     seen: dict[int, dict[str, Any]] = {}
     recoveries: list[dict[str, Any]] = []
     pending: dict[int, dict[str, Any]] = {}  # replica -> its open recovery (rejoin not yet seen)
@@ -118,8 +140,13 @@ def run_replicas(
     def start(i: int, from_storage: bool) -> list[Any]:
         phases.pop(i, None)
         hung.discard(i)
+        where = _replica_placement(opts, size, f"meshrun-replica-{i}-{incarnation[i]}-{os.getpid()}")
+        if where is not None:
+            pgs[i] = where
         group[i] = [
-            ReplicaWorker.options(**opts).remote(i, incarnation[i], spec_json, plan_json, ckpt_dir, from_storage, j)  # type: ignore[attr-defined]
+            ReplicaWorker.options(**opts, **_bundle(where, j)).remote(  # type: ignore[attr-defined]
+                i, incarnation[i], spec_json, plan_json, ckpt_dir, from_storage, j
+            )
             for j in range(size)
         ]
         actors[i] = group[i][0]
@@ -148,6 +175,9 @@ def run_replicas(
         for a in group.get(i, []):
             with contextlib.suppress(Exception):
                 ray.kill(a)
+        if i in pgs:
+            with contextlib.suppress(Exception):
+                remove_placement_group(pgs.pop(i))
 
     def placed(infos: list[dict[str, Any]]) -> None:
         emit(

@@ -14,6 +14,7 @@ FSDP2 shards the model over its own gloo group; across replicas worker j's gradi
 from __future__ import annotations
 
 import pytest
+import ray
 
 from tests.replica.test_replica_ft import FP32_TOL, _ft, _run
 from tests.replica.test_replica_preempt import _sigterm_at
@@ -37,6 +38,7 @@ def test_hsdp_replicas_match_ddp_and_heal_a_lost_shard_group(ray_session, ddp_lo
     placement = [t for k, t in events if k == "placement"]
     assert not placement  # the first workers' placement is on_start's (the attempt's ranks)
 
+    before = set(ray.util.placement_group_table())
     spec = _hsdp(
         steps=steps,
         faults={"kill_rank": {"rank": 3, "at_step": 3}, "slow_rank": {"rank": 0, "delay_s": 0.8}},
@@ -59,6 +61,13 @@ def test_hsdp_replicas_match_ddp_and_heal_a_lost_shard_group(ray_session, ddp_lo
     if replicas[-1] == 2:  # the replacement rejoined before the last step (not certain on a loaded machine)
         assert kinds.count("replica_rejoined") == 1, events
         assert rec["rejoin_step"] > 3
+    # each replica's workers were packed in a placement group of their own (replica 1's twice: the replacement),
+    # every one removed with its replica
+    pgs = [g for k, g in ray.util.placement_group_table().items() if k not in before]
+    names = sorted(g["name"].rsplit("-", 1)[0] for g in pgs)
+    assert names == ["meshrun-replica-0-1", "meshrun-replica-1-1", "meshrun-replica-1-2"], names
+    assert all(len(g["bundles"]) == 2 and g["strategy"] == "PACK" for g in pgs)
+    assert {g["state"] for g in pgs} == {"REMOVED"}, pgs
 
 
 def test_an_hsdp_checkpoint_holds_every_workers_shards_and_resumes(ray_session, ddp_losses, tmp_path) -> None:
