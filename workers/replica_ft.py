@@ -1,7 +1,9 @@
 """``fault_tolerance.mode: replica``: data-parallel replicas that keep training when one of them dies.
 
-Each replica is one Ray actor (``ReplicaWorker``) with a whole copy of the model and the optimizer. They are tied
-together by torchft (pinned: ``torchft==0.2.0``), not by one torch process group:
+Each replica is one Ray actor (``ReplicaWorker``) with a whole copy of the model and the optimizer, or, with HSDP
+(``zero_stage`` 2/3, ``shard_group_size`` < dp), ``shard_group_size`` actors that shard them with FSDP2 over a
+process group of their own (``workers.replica_shard``; worker j of every replica is then tied to worker j of the
+others). The replicas are tied together by torchft (pinned: ``torchft==0.2.0``), not by one torch process group:
 
 - the driver (``workers.replica_driver.run_replicas``) runs torchft's Rust ``LighthouseServer``; every replica
   runs a torchft ``Manager`` (its own ``TCPStore``, a reconfigurable gloo process group, NCCL on GPUs) that asks
@@ -80,7 +82,8 @@ def latest_checkpoint(ckpt_dir: str | None) -> Path | None:
 
 @ray.remote
 class ReplicaWorker:
-    """One data-parallel replica: model, optimizer, LR schedule, data shards and a torchft Manager."""
+    """One data-parallel replica (or worker ``rank`` of an HSDP replica): model, optimizer, LR schedule, data shards
+    and a torchft Manager."""
 
     def __init__(
         self,
@@ -281,7 +284,7 @@ class ReplicaWorker:
             weight = q / self.replicas if ft.batch == "keep" else 1.0
             self._enter("compute")
             self.faults.in_compute(step)
-            loss = self.backward(step, mine, weight, autocast)  # sharded: FSDP averaged it over the replica
+            loss = self.backward(step, mine, weight, autocast)  # sharded: FSDP averages the gradients in the replica
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             noticed = preemption.NOTICE.requested and r is not None  # what this replica votes (``_preemption``)
             loss, stop, noticed = self._agree(loss, self.stop_cause is not None, noticed)
