@@ -205,7 +205,7 @@ class ReplicaWorker:
             )
         if self.size > 1:
             self.shards = ShardGroup(self.store, self.rank, self.size, self.device)
-            self.model = self.shards.shard(self.model, self.spec, self.plan)
+            self.model = self.shards.shard(self.model, self.plan)
         self._setup()
         timeout = timedelta(seconds=timeouts(self.spec)[0])
         pg = ProcessGroupNCCL(timeout=timeout) if self.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)

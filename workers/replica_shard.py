@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from api.spec import Plan, RunSpec
+from api.spec import Plan
 
 STORE_PREFIX = "meshrun/replica"  # the replica's process group on its TCPStore (beside torchft's keys)
 
@@ -43,7 +43,7 @@ class ShardGroup:
         self.rank, self.size = rank, size
         self.mesh = init_device_mesh(device.type, (size,), mesh_dim_names=("dp_shard",))
 
-    def shard(self, model: nn.Module, spec: RunSpec, plan: Plan) -> nn.Module:
+    def shard(self, model: nn.Module, plan: Plan) -> nn.Module:
         """FSDP2 over the replica's workers (``zero_stage`` 3: reshard after forward; 2: keep them gathered)."""
         from workers.parallelize import apply_fsdp
 

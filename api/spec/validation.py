@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from api.spec._base import MAX_WORLD_SIZE
 from api.spec.elastic import candidate
 from api.spec.hf import HFConfigError, hf_param_count, read_hf_config
-from api.spec.layout import ResolvedLayout
+from api.spec.layout import LayoutError, ResolvedLayout
 from api.spec.plan import ModelConfig, Plan
 from api.spec.presets import PRESETS, gpt_param_count, mlp_param_count
 from api.spec.run import ModelSpec, RunSpec
@@ -378,9 +378,12 @@ def _check_fault_tolerance(spec: RunSpec, chk: SpecCheck) -> None:
     if ft.mode != "replica":
         return
     fix = "(or fault_tolerance.mode: group)"
-    sgs = lay.shard_group_size
-    hsdp = lay.zero_stage >= 2 and sgs is not None and sgs < lay.dp  # replicas of FSDP shard groups
-    replicas = lay.dp // sgs if hsdp and sgs else lay.dp
+    try:
+        res = ResolvedLayout.of(lay)  # the one split of dp into (replicas, shards)
+    except LayoutError:
+        return  # reported by the layout's own check, naming layout.shard_group_size
+    hsdp = res.dp_shard > 1 and res.dp_replicate > 1  # replicas of FSDP shard groups
+    replicas, sgs = res.dp_replicate, res.dp_shard
     for name, bad, why in (
         ("layout.dp", lay.dp < 2, "needs data-parallel replicas to keep training: set dp >= 2"),
         ("layout.tp", lay.tp > 1, "a replica is data parallel (one worker, or an FSDP shard group): use tp 1"),
