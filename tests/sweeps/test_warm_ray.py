@@ -2,7 +2,9 @@
 worker group (its events say so) and re-meshes it in place for every trial; every trial SUCCEEDS with its metrics;
 a trial measured in a warm group trains exactly what the same layout trains in its own Ray Train worker group (the
 same losses, bit for bit: nothing of an earlier trial leaks into a later one) at a step time within the run-to-run
-spread, and the warm sweep chooses the layout a cold sweep chooses."""
+spread, and among them the warm sweep ranks first the layout a cold sweep chooses. The cold sweep runs three of the
+six layouts (dp, tp and pp: one of each kind), not all six: each cold trial pays a whole Ray Train launch (about 24 s
+of the 71 s its three trials took on the quiet machine, against 43 s for the six warm ones)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ LAYOUTS = [
     {"dp": 2, "zero_stage": 1},
     {"tp": 2, "sequence_parallel": True},
 ]
+COLD = [LAYOUTS[0], LAYOUTS[1], LAYOUTS[2]]  # dp, tp and pp, trained in the warm group after the first one
 
 
 def _sweep(url: str, name: str, *, warm: bool, layouts=LAYOUTS) -> dict:
@@ -57,11 +60,13 @@ def test_a_sweep_runs_its_trials_in_one_warm_worker_group(live_service) -> None:
         phases += [e["reason"] for e in run_events if e["kind"] == "phase" and "warm worker group" in e["reason"]]
     assert sum(p.startswith("re-meshing warm worker group #1") for p in phases) == len(LAYOUTS) - 1, phases
 
-    # the same layouts, each in its own Ray Train worker group (the cold path)
-    cold = _sweep(url, "cold-sweep", warm=False)
+    # three of the layouts, each in its own Ray Train worker group (the cold path)
+    cold = _sweep(url, "cold-sweep", warm=False, layouts=COLD)
     by_cold = {_key(t): t for t in cold["trials"]}
+    same = [t for t in warm["trials"] if _key(t) in by_cold]
+    assert len(same) == len(COLD), (sorted(by_cold), [_key(t) for t in warm["trials"]])
     ratios = []
-    for t in warm["trials"]:
+    for t in same:
         c = by_cold[_key(t)]
         w_rows, c_rows = metrics(url, t["run_id"]), metrics(url, c["run_id"])
         assert [r["loss"] for r in w_rows] == [r["loss"] for r in c_rows], t["layout"]  # bit for bit
@@ -71,7 +76,7 @@ def test_a_sweep_runs_its_trials_in_one_warm_worker_group(live_service) -> None:
     # the choice: equal whenever the cold sweep's best is clearly best (a close second may swap under load)
     ranked = sorted(cold["trials"], key=lambda t: -t["measured_tokens_per_s"])
     if ranked[0]["measured_tokens_per_s"] > 1.25 * ranked[1]["measured_tokens_per_s"]:
-        assert _key(warm["best_trial"]) == _key(cold["best_trial"])
+        assert _key(max(same, key=lambda t: t["measured_tokens_per_s"])) == _key(cold["best_trial"])
 
 
 def test_a_crashed_trial_costs_only_itself_and_its_group_is_rebuilt(live_service) -> None:
