@@ -1,9 +1,9 @@
 """A throw-away PostgreSQL database per test session (the server at 127.0.0.1:5432 is shared by several people).
 
 ``pg_database(prefix)`` creates ``<prefix>_<pid>_<random>`` with an autocommit psycopg connection and drops it
-afterwards. ``postgres_database(prefix)`` is the one way fixtures get a database: it skips with a clear reason
-when the server is not reachable, or FAILS instead when ``MESHRUN_REQUIRE_PG=1`` (CI with a PostgreSQL service must
-never pass by silently skipping every PostgreSQL test).
+afterwards. ``postgres_database(prefix)`` is the one way fixtures get a database: it FAILS with a clear reason when
+the server is not reachable (the test command needs PostgreSQL; a suite that skipped every PostgreSQL test would pass
+without testing the deployment's database).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-REQUIRE_PG_ENV = "MESHRUN_REQUIRE_PG"
 PG_ADMIN_URL = os.environ.get("MESHRUN_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 
@@ -47,26 +46,19 @@ def pg_database(prefix: str) -> Iterator[str]:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-def require_pg() -> bool:
-    return os.environ.get(REQUIRE_PG_ENV, "").strip().lower() in ("1", "true", "yes")
-
-
-def skip_or_fail_without_pg() -> None:
-    """Skip the calling test/fixture when PostgreSQL is down, or fail it when MESHRUN_REQUIRE_PG=1."""
+def fail_without_pg() -> None:
+    """Fail the calling test/fixture, saying why and what to do, when PostgreSQL is not reachable."""
     import pytest
 
     why = pg_available()
-    if why is None:
-        return
-    if require_pg():
-        pytest.fail(f"{why} ({REQUIRE_PG_ENV}=1 requires PostgreSQL: start it or unset {REQUIRE_PG_ENV})",
-                    pytrace=False)
-    pytest.skip(why)
+    if why is not None:
+        pytest.fail(f"{why}: the suite needs PostgreSQL at 127.0.0.1:5432 (database `test`, trust auth; "
+                    "MESHRUN_TEST_PG_URL names another)", pytrace=False)
 
 
 @contextmanager
 def postgres_database(prefix: str) -> Iterator[str]:
-    """For fixtures: ``skip_or_fail_without_pg()`` then ``pg_database(prefix)``."""
-    skip_or_fail_without_pg()
+    """For fixtures: ``fail_without_pg()`` then ``pg_database(prefix)``."""
+    fail_without_pg()
     with pg_database(prefix) as url:
         yield url

@@ -280,15 +280,10 @@ def test_list_metrics_honours_limit_with_an_attempt(factory):
 
 
 # --------------------------------------------------------------------------------------- pg test helper
-def test_postgres_fixtures_fail_instead_of_skipping_when_required(monkeypatch):
+def test_postgres_fixtures_fail_instead_of_skipping(monkeypatch):
     from tests.service import pg
 
     monkeypatch.setattr(pg, "pg_available", lambda: "PostgreSQL at test not reachable: refused")
-    monkeypatch.delenv(pg.REQUIRE_PG_ENV, raising=False)
-    with pytest.raises(pytest.skip.Exception):
-        with pg.postgres_database("never"):
-            pass
-    monkeypatch.setenv(pg.REQUIRE_PG_ENV, "1")
-    with pytest.raises(pytest.fail.Exception, match="MESHRUN_REQUIRE_PG"):
+    with pytest.raises(pytest.fail.Exception, match="the suite needs PostgreSQL at 127.0.0.1:5432"):
         with pg.postgres_database("never"):
             pass
