@@ -156,10 +156,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # cluster of their own on the other worker (two Ray clusters at once: load 20-30 on two cores; a replica counted as
 # hung twice, a tracker outage reported twice): the doubled load makes timing tests noisy, so CI stays serial.
 # 2026-12-06, working tree, 1,510 tests: 45 min 16 s on two workers (one load failure, since fixed: the async_ps
-# replacement's rejoin) against about 50 min serial. The two workers' test time was 2,657 s (ray group) and 2,450 s
-# (the rest), and the machine was 95 % busy (/proc/stat): the suite is CPU-bound, so a second worker buys a tenth,
-# not half; the time goes to process starts (a cold run on the quiet machine: 6 s for its Ray Job to start, 6 s to
-# Train's controller, 16 s for Train's worker group, every actor a fresh process importing ray or torch).
+# replacement's rejoin), against 59 min 7 s serial from a fresh clone that day (50-52 min a session before). The two
+# workers' test time was 2,657 s (ray group) and 2,450 s (the rest), and the machine was 95 % busy (/proc/stat): the
+# suite is CPU-bound, so a second worker buys a tenth, not half. Most of that CPU went to starting processes, by a
+# 5-minute sample of two tests/ray files (a cold run on the quiet machine: 6 s for its Ray Job to start, 6 s to
+# Train's controller, 16 s for Train's worker group; every actor is a fresh process importing ray or torch).
 # Every test that uses the shared Ray cluster (``ray_cluster``/``live_service``, directly or through another
 # fixture) is in one group, ``ray``: one worker runs them all, one after another, on one Ray cluster. Every other
 # test is grouped by its module (module fixtures are set up once), and the other worker takes those modules one by
