@@ -129,6 +129,9 @@ SLOW_UNIT_TESTS = (
     "tests/cli/test_doctor_demo.py::test_doctor_names_a_foreign_port_holder_and_the_real_ray_port_rule",
     "tests/cli/test_doctor_demo.py::test_demo_whose_service_cannot_start_says_why_in_one_line",
     "tests/cli/test_output_width.py::test_submit_wait_piped_at_80_columns_prints_whole_lines_without_colour",
+    # a nested pytest run in a subprocess (the serial order and early teardown of session fixtures)
+    "tests/test_lanes.py::"
+    "test_a_serial_run_puts_the_shared_cluster_first_and_tears_each_session_fixture_down_after_its_last_test",
     # nine leave-one-out refits of the calibration (8 s)
     "tests/sweeps/test_calibration_guards.py::"
     "test_a_fit_that_does_not_beat_the_defaults_held_out_is_stored_rejected_and_never_used",
@@ -189,18 +192,77 @@ def _group_node_id(item: pytest.Item, group: str) -> None:
 
 
 class _XdistGroups:
-    @pytest.hookimpl(trylast=True)  # after every mark and `-m`: node ids are only renamed for the scheduler
+    @pytest.hookimpl(trylast=True)  # after every mark and `-m`
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
-        if not getattr(config.option, "loadgroup", False):  # not an xdist worker under --dist loadgroup
-            return
         groups = {item.nodeid: xdist_group(item) for item in items}
+        # the shared Ray cluster's tests first, in one stretch, in every mode: on one worker under loadgroup, and in a
+        # serial run so that the cluster and its service stop when that stretch ends (``_EarlyTeardown``)
         items.sort(key=lambda item: 0 if groups[item.nodeid] == RAY_GROUP else 1)  # stable: each part keeps its order
-        for item in items:
-            _group_node_id(item, groups[item.nodeid])
+        if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup: ids name the group
+            for item in items:
+                _group_node_id(item, groups[item.nodeid])
+
+
+# Session fixtures that a fixture takes by name at run time (``request.getfixturevalue``), so that pytest's fixture
+# closure of a test does not show them: a test of the key uses them too.
+TAKEN_AT_RUN_TIME = {"ray_service_url": ("live_service", "ray_cluster")}
+
+
+class _EarlyTeardown:
+    """In a run without xdist, each session fixture (the shared Ray cluster and its live service, the console's
+    Chromium, the MLflow and PostgreSQL fixtures) is torn down right after the last test that uses it, not at the end
+    of the session: an idle Ray cluster, its service's threads in this process and its warm workers took about a
+    tenth of a core from every test after them, and slowed some (a 0.25 s matmul measurement took 22 s beside them).
+    A fixture asked for again later is simply set up again. Under xdist a worker does not know its tests in advance,
+    so the fixtures live to the end of the session there."""
+
+    def __init__(self) -> None:
+        self.position: dict[str, int] = {}
+        self.last_user: dict[str, int] = {}
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        if _under_xdist(session.config):
+            return
+        for i, item in enumerate(session.items):
+            self.position[item.nodeid] = i
+            names = set(getattr(item, "fixturenames", ()))
+            for name in list(names):
+                names.update(TAKEN_AT_RUN_TIME.get(name, ()))
+            for name in names:
+                fixturedef = _active_fixturedef(item, name)
+                if fixturedef is not None and fixturedef.scope == "session":
+                    self.last_user[name] = i
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+        result = yield
+        position = self.position.get(item.nodeid)
+        if nextitem is None or position is None:  # the session's end tears everything down anyway
+            return result
+        done = [name for name, last in self.last_user.items() if last == position]
+        for name in done:
+            fixturedef = _active_fixturedef(item, name)
+            if fixturedef is not None:
+                fixturedef.finish(item._request)  # type: ignore[attr-defined]  # its dependents first, as at the end
+        return result
+
+
+def _under_xdist(config: pytest.Config) -> bool:
+    return bool(os.environ.get("PYTEST_XDIST_WORKER")) or bool(getattr(config.option, "numprocesses", None))
+
+
+def _active_fixturedef(item: pytest.Item, name: str) -> Any:
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.get(name) if info is not None else None
+    if not defs:  # taken at run time (TAKEN_AT_RUN_TIME): not in this test's fixture closure
+        defs = item.session._fixturemanager.getfixturedefs(name, item)  # type: ignore[attr-defined]
+    return defs[-1] if defs else None
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_XdistGroups(), "meshrun-xdist-groups")
+    config.pluginmanager.register(_EarlyTeardown(), "meshrun-early-teardown")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -17,3 +17,80 @@ def test_the_shared_cluster_and_service_are_one_group_and_the_rest_go_by_module(
     assert xdist_group(_item("ray_service_url")) == RAY_GROUP
     assert xdist_group(_item("ray_session", "ray_cluster")) == RAY_GROUP  # a Ray driver on the shared cluster
     assert xdist_group(_item("tmp_path")) == "tests/x/test_a.py"
+
+
+NESTED_CONFTEST = '''
+import pytest
+from tests.conftest import _EarlyTeardown, _XdistGroups
+
+LOG = []
+
+def pytest_configure(config):
+    config.pluginmanager.register(_XdistGroups(), "groups")
+    config.pluginmanager.register(_EarlyTeardown(), "early")
+
+def _fixture(name):
+    def f():
+        print(f"\\nup {name}", flush=True)
+        yield name
+        print(f"\\ndown {name}", flush=True)
+    return f
+
+ray_cluster = pytest.fixture(scope="session", name="ray_cluster")(_fixture("ray_cluster"))
+
+@pytest.fixture(scope="session")
+def live_service(ray_cluster):
+    print("\\nup live_service", flush=True)
+    yield "svc"
+    print("\\ndown live_service", flush=True)
+
+@pytest.fixture(scope="session")
+def ray_service_url(request):
+    return request.getfixturevalue("live_service")
+
+browser = pytest.fixture(scope="session", name="browser")(_fixture("browser"))
+'''
+
+NESTED_TESTS = '''
+def test_a_page(browser):
+    print("\\nrun test_a_page", flush=True)
+
+def test_b_ray(live_service):
+    print("\\nrun test_b_ray", flush=True)
+
+def test_c_page(browser):
+    print("\\nrun test_c_page", flush=True)
+
+def test_d_sdk(ray_service_url):
+    print("\\nrun test_d_sdk", flush=True)
+
+def test_e_plain():
+    print("\\nrun test_e_plain", flush=True)
+'''
+
+
+def test_a_serial_run_puts_the_shared_cluster_first_and_tears_each_session_fixture_down_after_its_last_test(
+        tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    (tmp_path / "conftest.py").write_text(NESTED_CONFTEST)
+    (tmp_path / "test_nested.py").write_text(NESTED_TESTS)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    env.pop("PYTEST_ADDOPTS", None)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-s", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                           "--rootdir", str(tmp_path), str(tmp_path)], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith(("up ", "down ", "run "))]
+    assert lines == [
+        # the shared cluster's tests first (ray_service_url takes live_service at run time: still one of them)
+        "up ray_cluster", "up live_service", "run test_b_ray", "run test_d_sdk",
+        "down live_service", "down ray_cluster",  # right after the last of them, its dependent first
+        "up browser", "run test_a_page", "run test_c_page", "down browser",
+        "run test_e_plain",
+    ], lines
