@@ -154,22 +154,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 # ------------------------------------------------------------------------------------------- two workers
 # ``python -m pytest -n 2 --dist loadgroup`` runs the suite on two pytest-xdist workers (opt-in: the README's test
-# command and CI stay serial). A fresh clone on the quiet 2-core machine, 2026-12-05: 41 min 13 s serial, 32 min 41 s
-# on two workers (all passing), and 35 min 32 s with two load failures when the Ray-driver tests had a group and a
-# cluster of their own on the other worker (two Ray clusters at once: load 20-30 on two cores; a replica counted as
-# hung twice, a tracker outage reported twice): the doubled load makes timing tests noisy, so CI stays serial.
-# 2026-12-06, working tree, 1,510 tests: 45 min 16 s on two workers (one load failure, since fixed: the async_ps
-# replacement's rejoin), against 59 min 7 s serial from a fresh clone that day (50-52 min a session before). The two
-# workers' test time was 2,657 s (ray group) and 2,450 s (the rest), and the machine was 95 % busy (/proc/stat): the
-# suite is CPU-bound, so a second worker buys a tenth, not half. Most of that CPU went to starting processes, by a
-# 5-minute sample of two tests/ray files (a cold run on the quiet machine: 6 s for its Ray Job to start, 6 s to
-# Train's controller, 16 s for Train's worker group; every actor is a fresh process importing ray or torch).
+# command and CI stay serial). Fresh clones on the quiet 2-core machine: 41 min 13 s serial against 32 min 41 s on two
+# workers (2026-12-05); 37 min 32 s serial against 30 min 21 s on two workers (2026-12-06, whose other sessions took
+# 50-59 min serial: the machine's speed varies). Every two-worker run but one had tests failing under the doubled
+# load (a replica counted as hung twice, a tracker outage reported twice, the breakdown's timing tests), so CI stays
+# serial. A serial run keeps the two cores about 64 % busy (the rest is waiting on Ray's process starts, paced runs and
+# polls), which is what a second worker takes up.
 # Every test that uses the shared Ray cluster (``ray_cluster``/``live_service``, directly or through another
 # fixture) is in one group, ``ray``: one worker runs them all, one after another, on one Ray cluster. Every other
 # test is grouped by its module (module fixtures are set up once), and the other worker takes those modules one by
 # one, tests that start their own Ray head included. The ``ray`` group is put first so its worker starts on it at
 # once (xdist hands out groups in collection order); it is the longest single piece of the suite.
-# Without ``-n`` everything runs in one process, in collection order.
+# Without ``-n`` everything runs in one process, the ``ray`` group first too (``_EarlyTeardown`` below).
 #
 # The group goes into the node id here (``<id>@<group>``, what xdist's loadgroup scheduler reads) rather than through
 # an ``xdist_group`` mark: xdist 3.8 writes ``item._nodeid``, which pytest 9.2 no longer reads (ids live in
