@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.spawn import spawn_ranks
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -69,7 +71,7 @@ def run_world(world: int, specs: list[dict], **job_kwargs) -> list[dict]:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "out.json")
         try:
-            mp.spawn(_worker, args=(world, free_port(), specs, out, job_kwargs), nprocs=world, join=True)
+            spawn_ranks(_worker, (world, free_port(), specs, out, job_kwargs), world)
         except mp.ProcessExitedException as e:
             # a rank killed by a signal after every rank passed the final barrier and rank 0 wrote every spec's
             # results (gloo's teardown, seen now and then as SIGABRT next to a Ray session): the training is whole

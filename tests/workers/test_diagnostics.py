@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 import yaml
 
 from api.spec import BREAKDOWN_PARTS
+from tests.spawn import spawn_ranks
 from tests.workers.dist_utils import run_world, tiny_spec
 from workers.diagnostics import describe_hang, read_states
 from workers.timeline import LinkModel, breakdown
@@ -258,7 +258,7 @@ def _control_worker(rank: int, out: str) -> None:
 
 
 def test_profile_on_request_profiles_the_next_steps(tmp_path: Path) -> None:
-    mp.spawn(_control_worker, args=(str(tmp_path),), nprocs=1, join=True)
+    spawn_ranks(_control_worker, (str(tmp_path),), 1)
     res = json.loads((tmp_path / "res.json").read_text())
     path = str(tmp_path / "steps_00000003-00000004" / "rank0.trace.json")
     assert res["got"] == [[3, 4, [path]]] and res["profiles"] == [path]

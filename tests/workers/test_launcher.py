@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 import yaml
 
 from api.spec.metrics import METRIC_ROW_FIELDS, PEAK_MEMORY_PER_RANK, MetricRow
+from tests.spawn import spawn_ranks
 from tests.workers.dist_utils import tiny_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,7 +138,7 @@ def _stop_worker(rank: int, out: str) -> None:
 
 
 def test_stop_callback_and_on_checkpoint(tmp_path: Path) -> None:
-    mp.spawn(_stop_worker, args=(str(tmp_path),), nprocs=1, join=True)
+    spawn_ranks(_stop_worker, (str(tmp_path),), 1)
     res = json.loads((tmp_path / "res.json").read_text())
     assert res["steps"] == [1, 2, 3] and res["summary"]["stopped"] and res["summary"]["steps_done"] == 3
     assert [s for s, _ in res["ckpts"]] == [2] and res["ckpts"][0][1].endswith("step_00000002")

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.spawn import spawn_ranks
 
 TINY = {"name": "gpt", "preset": "tiny", "seq_len": 32}  # 2 layers, d_model 64, 4 heads, vocab 256
 
@@ -51,7 +52,7 @@ def run_world(fn: Callable[..., Any], world: int, *args: Any) -> Any:
     """Run ``fn(*args)`` on ``world`` processes; returns what rank 0 returned."""
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "result.json")
-        mp.spawn(_entry, args=(fn, world, free_port(), out, args), nprocs=world, join=True)
+        spawn_ranks(_entry, (fn, world, free_port(), out, args), world)
         return json.loads(Path(out).read_text())
 
 
