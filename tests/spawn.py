@@ -1,7 +1,7 @@
 """Rank processes for the multi-process tests, started through one fork server per test process.
 
 ``torch.multiprocessing.spawn`` starts every rank as a new interpreter that imports torch and the engine again
-(about 2 CPU-seconds a rank on this machine, most of what a tiny parity run costs); the suite starts a few hundred of
+(about 2 CPU-seconds a rank on this machine, most of what a tiny parity run costs); the suite starts some two hundred of
 them. ``spawn_ranks`` starts them with the ``forkserver`` method instead: one server process imports torch and the
 engine once (``PRELOAD``: imports only, no tensor op, no thread pool, no process group) and forks each rank from it.
 Every rank is still its own process with its own gloo process group, as with ``spawn``.

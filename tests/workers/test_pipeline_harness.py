@@ -1,6 +1,6 @@
 """Multi-process harness shared by the pipeline and checkpoint tests (no tests here).
 
-- ``run_world(fn, world, *args)``: spawn ``world`` gloo/CPU processes (``torch.multiprocessing.spawn``, one
+- ``run_world(fn, world, *args)``: start ``world`` gloo/CPU processes (``tests.spawn.spawn_ranks``, one
   thread each) on a free port; every rank calls ``fn(*args)``; returns rank 0's (JSON-able) result.
 - ``loop_runs(runs)``: the whole engine, ``workers.loop.train``, for a list of (spec, job kwargs) in one
   world; returns per run the losses of the steps it ran (rows from the sink) and the summary.
