@@ -163,8 +163,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # Every test that uses the shared Ray cluster (``ray_cluster``/``live_service``, directly or through another
 # fixture) is in one group, ``ray``: one worker runs them all, one after another, on one Ray cluster. Every other
 # test is grouped by its module (module fixtures are set up once), and the other worker takes those modules one by
-# one, tests that start their own Ray head included. The ``ray`` group is put first so its worker starts on it at
-# once (xdist hands out groups in collection order); it is the longest single piece of the suite.
+# one, tests that start their own Ray head included. The ``ray`` group is the longest single piece of the suite; it
+# is first in collection order, but xdist 3.8 hands groups out largest first (by test count) unless
+# ``--no-loadscope-reorder`` is given, so a couple of large API modules (seconds) may start before it.
 # Without ``-n`` everything runs in one process, the ``ray`` group first too (``_EarlyTeardown`` below).
 #
 # The group goes into the node id here (``<id>@<group>``, what xdist's loadgroup scheduler reads) rather than through
