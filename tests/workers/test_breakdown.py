@@ -132,15 +132,15 @@ def test_a_slow_rank_is_slow_in_compute_and_its_peer_is_not_blamed(world2) -> No
     # (from step 3: in step 2 DDP rebuilds its buckets in forward, a C++ collective no hook sees)
     rows = world2["dp2_slow_rank1"]["rows"][2:]
     assert rows
-    ratios = []
-    for row in rows:
-        pr = row["breakdown_per_rank"]
-        assert pr["compute"][1] - pr["compute"][0] > 0.05  # the 60 ms delay is rank 1's compute
-        assert pr["dp_comm_exposed"][0] - pr["dp_comm_exposed"][1] > 0.04  # rank 0 waits for rank 1
-        ratios.append(pr["total"][0] / pr["total"][1])
-    # step times hide the culprit: the ranks' totals agree (the median step: one step on a loaded machine can be
-    # stretched on one rank after the collective that ties them)
-    assert sorted(ratios)[len(ratios) // 2] == pytest.approx(1.0, rel=0.25), ratios
+    pr = [row["breakdown_per_rank"] for row in rows]
+    # the median step throughout: on a loaded machine one step can be stretched on one rank (a two-worker run saw a
+    # step whose rank 0 compute took 41 ms, so rank 1's delayed 87 ms stood only 46 ms above it)
+    compute_gap = statistics.median(p["compute"][1] - p["compute"][0] for p in pr)
+    assert compute_gap > 0.05, [p["compute"] for p in pr]  # the 60 ms delay is rank 1's compute
+    wait_gap = statistics.median(p["dp_comm_exposed"][0] - p["dp_comm_exposed"][1] for p in pr)
+    assert wait_gap > 0.04, [p["dp_comm_exposed"] for p in pr]  # rank 0 waits for rank 1
+    # step times hide the culprit: the ranks' totals agree
+    assert statistics.median(p["total"][0] / p["total"][1] for p in pr) == pytest.approx(1.0, rel=0.25)
 
 
 def test_breakdown_frequency(world2) -> None:
