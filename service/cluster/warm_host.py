@@ -10,7 +10,6 @@ placement group holds its CPUs while it trains.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import signal
@@ -20,10 +19,13 @@ from types import FrameType
 from typing import Any
 
 import ray
+from ray.exceptions import ActorDiedError
 
 from service.cluster.warm import WARM_NAMESPACE, WarmPool
 
 REAP_EVERY_S = 15.0  # how often the pool looks for groups whose driver died without releasing them
+MISSES_BEFORE_LEAVING = 3  # unanswered reaps in a row after which the pool counts as gone
+RETRY_S = 3.0  # how soon an unanswered reap is tried again
 
 logger = logging.getLogger("meshrun.warm")
 
@@ -65,13 +67,36 @@ def main(argv: list[str] | None = None) -> int:
         args.name, gid, args.workers, node[:12], time.monotonic() - t0,
     )  # fmt: skip
     try:
-        while True:  # the pool lives as long as this job: the service stops it
-            time.sleep(REAP_EVERY_S)
-            with contextlib.suppress(Exception):
-                ray.get(pool.reap.remote(), timeout=60)  # groups of drivers that died (``WarmPool.reap``)
+        host_pool(pool, args.name)
     finally:
         ray.get(pool.shutdown.remote(), timeout=30)
     return 0
+
+
+def host_pool(pool: Any, name: str, *, every_s: float = REAP_EVERY_S, retry_s: float = RETRY_S) -> None:
+    """Keep the pool while it answers (the pool lives as long as this job: the service stops it), reaping the groups
+    of drivers that died (``WarmPool.reap``). Once the pool is gone (dead, or unanswered ``MISSES_BEFORE_LEAVING``
+    times in a row, ``retry_s`` apart) this process ends at once: its Ray head died, and its job left this driver
+    behind (orphaned: no job is left to stop it) with Ray's error-listening thread spinning on the lost GCS
+    connection, a third of a core or more for as long as the process lived (seen in tests/chaos/test_owned_head.py,
+    77 CPU seconds through the rest of a test session). The service starts a new pool on the restarted head."""
+    misses = 0
+    while True:
+        time.sleep(retry_s if misses else every_s)
+        try:
+            ray.get(pool.reap.remote(), timeout=60)
+            misses = 0
+            continue
+        except ActorDiedError as e:
+            why = f"its pool actor died ({type(e).__name__})"
+        except Exception as e:  # unreachable now: a head restarting, or a loaded machine
+            misses += 1
+            if misses < MISSES_BEFORE_LEAVING:
+                continue
+            why = f"its pool did not answer {misses} times in a row (last: {type(e).__name__}: {str(e)[:200]})"
+        logger.warning("warm pool %s: leaving, %s; the service starts a new pool when its Ray head is back", name, why)
+        logging.shutdown()
+        os._exit(1)  # not ray.shutdown(): it waits on the lost head
 
 
 if __name__ == "__main__":

@@ -145,6 +145,26 @@ def test_service_and_head_crashes_leave_one_head_and_finish_every_run(owned_serv
     assert new_head.session_dir and not [
         p for p in Path("/proc").iterdir() if p.name.isdigit() and new_head.session_dir.encode() in _cmdline(p)
     ]
+    # nor a warm pool's driver: the first head's was orphaned by the kill (its job went with that head) and must have
+    # left by itself (``service.cluster.warm_host.host_pool``), not spin on the lost GCS connection for good
+    deadline = time.monotonic() + 60
+    while left := _warm_hosts(svc.data_dir):
+        assert time.monotonic() < deadline, [_cmdline(Path(f"/proc/{p}"))[:300] for p in left]
+        time.sleep(1.0)
+
+
+def _warm_hosts(data_dir: Path) -> list[int]:
+    """Processes of ``service.cluster.warm_host`` started for the service of ``data_dir`` (by their environment)."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit() and b"service.cluster.warm_host" in _cmdline(p):
+            try:
+                env = (p / "environ").read_bytes()
+            except OSError:
+                continue
+            if f"={data_dir}".encode() in env:
+                out.append(int(p.name))
+    return out
 
 
 def _cmdline(p: Path) -> bytes:
