@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 import ray
 from ray.exceptions import ActorDiedError
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def host_pool(pool: Any, name: str, *, every_s: float = REAP_EVERY_S, retry_s: float = RETRY_S) -> None:
+def host_pool(pool: Any, name: str, *, every_s: float = REAP_EVERY_S, retry_s: float = RETRY_S) -> NoReturn:
     """Keep the pool while it answers (the pool lives as long as this job: the service stops it), reaping the groups
     of drivers that died (``WarmPool.reap``). Once the pool is gone (dead, or unanswered ``MISSES_BEFORE_LEAVING``
     times in a row, ``retry_s`` apart) this process ends at once: its Ray head died, and its job left this driver
