@@ -488,7 +488,9 @@ def stop_live_service(svc: LiveService) -> None:
 @pytest.fixture(scope="session")
 def live_service(ray_cluster: RayTestCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveService]:
     data_dir = tmp_path_factory.mktemp("meshrun-live")
-    svc = start_live_service(ray_cluster=ray_cluster, data_dir=data_dir, warm_workers=2)
+    # idle groups of other shapes (the 3d run's eight workers) stop after a minute, not the default ten: each idle
+    # worker took about 1 % of a core for the rest of the shared-Ray tests
+    svc = start_live_service(ray_cluster=ray_cluster, data_dir=data_dir, warm_workers=2, warm_idle_s=60)
     try:
         yield svc
     finally:

@@ -13,8 +13,10 @@ it for every run of that shape). A job (a trial, a run) then trains like this (`
 3. every worker trains the job as its rank (a new process group per job, re-meshed in place), rank 0 through
    the run's channel like a Ray Train worker; the placement group is removed at the end;
 4. a job that fails (a worker raised or died) or does not stop when asked costs only itself: its group is killed
-   and the next job starts a new one. At most ``max_idle`` idle groups are kept (the oldest go first): that bounds
-   the memory idle workers hold (each a process with torch imported, a few hundred MB).
+   and the next job starts a new one. At most ``max_idle`` idle groups are kept (the oldest go first), and with
+   ``idle_s`` a group idle that long goes too (at the pool's next ``reap``), except the newest idle group of the
+   standing shape (``prestart``): that bounds the memory idle workers hold (each a process with torch imported,
+   about 500 MB) and the CPU they still take (Ray's core worker wakes them up: about 1 % of a core each, idle).
 """
 
 from __future__ import annotations
@@ -57,16 +59,19 @@ def usable(plan: Plan) -> bool:
 class WarmPool:
     """Warm worker groups, keyed by (nodes of their ranks, threads)."""
 
-    def __init__(self, max_idle: int = MAX_IDLE_GROUPS) -> None:
+    def __init__(self, max_idle: int = MAX_IDLE_GROUPS, idle_s: float | None = None) -> None:
         self.groups: dict[int, dict[str, Any]] = {}
         self.starts = 0
         self.max_idle = max(1, int(max_idle))
+        self.idle_s = float(idle_s) if idle_s else None
+        self.standing: tuple[tuple[str, ...], int] | None = None  # the prestarted shape: one idle group of it stays
 
     def prestart(self, nodes: list[str], threads: int) -> int:
         """A new idle group on these nodes (ready when this returns): the service's standing group."""
         gid, _, _, _ = self.acquire(nodes, threads, fresh=True)
         self.release(gid, True)
         self.groups[gid]["jobs"] = 0  # prestarted: it ran nothing yet
+        self.standing = self.groups[gid]["key"]
         return gid
 
     def acquire(
@@ -115,7 +120,8 @@ class WarmPool:
     def reap(self) -> list[int]:
         """Busy groups whose owner died (a run driver SIGKILLed, or lost with its node, before it could release its
         group): their workers are killed (their job stopped at its next poll of the dead channel, in whatever state)
-        and the groups dropped. Returns their ids."""
+        and the groups dropped. Returns their ids. Idle groups past ``idle_s`` go too (``expire``)."""
+        self.expire()
         asked = {
             gid: g["owner"].__ray_ready__.remote()
             for gid, g in self.groups.items()
@@ -140,6 +146,20 @@ class WarmPool:
             log.warning("warm group #%d: the job's owner died without releasing it; its workers are killed", gid)
             self._kill(gid)
         return dead
+
+    def expire(self, now: float | None = None) -> list[int]:
+        """Kill the idle groups unused for ``idle_s`` or longer, except the newest idle group of the standing shape
+        (the next run of that shape still starts warm). Returns their ids."""
+        if self.idle_s is None:
+            return []
+        now = time.time() if now is None else now
+        idle = sorted(((g["used"], gid) for gid, g in self.groups.items() if not g["busy"]), reverse=True)
+        standing = next((gid for _, gid in idle if self.groups[gid]["key"] == self.standing), None)
+        expired = [gid for used, gid in idle if gid != standing and now - used >= self.idle_s]
+        for gid in expired:
+            log.info("warm group #%d: idle for %.0f s or more, its workers are stopped", gid, self.idle_s)
+            self._kill(gid)
+        return expired
 
     def _evict(self) -> None:
         idle = sorted((g["used"], gid) for gid, g in self.groups.items() if not g["busy"])

@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", required=True)
     ap.add_argument("--workers", type=int, required=True)
     ap.add_argument("--max-idle", type=int, default=2)
+    ap.add_argument("--idle-s", type=float, default=0.0, help="stop idle groups unused this long (0: never)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, _on_term)
@@ -58,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         logging_level=logging.WARNING,
         log_to_driver=False,
     )
-    pool: Any = WarmPool.options(name=args.name, namespace=WARM_NAMESPACE).remote(args.max_idle)  # type: ignore[attr-defined]
+    pool: Any = WarmPool.options(name=args.name, namespace=WARM_NAMESPACE).remote(  # type: ignore[attr-defined]
+        args.max_idle, args.idle_s or None
+    )
     node = prestart_node(args.workers)
     t0 = time.monotonic()
     gid = ray.get(pool.prestart.remote([node] * args.workers, 1))
@@ -75,11 +78,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def host_pool(pool: Any, name: str, *, every_s: float = REAP_EVERY_S, retry_s: float = RETRY_S) -> NoReturn:
     """Keep the pool while it answers (the pool lives as long as this job: the service stops it), reaping the groups
-    of drivers that died (``WarmPool.reap``). Once the pool is gone (dead, or unanswered ``MISSES_BEFORE_LEAVING``
-    times in a row, ``retry_s`` apart) this process ends at once: its Ray head died, and its job left this driver
-    behind (orphaned: no job is left to stop it) with Ray's error-listening thread spinning on the lost GCS
-    connection, a third of a core or more for as long as the process lived (seen in tests/chaos/test_owned_head.py,
-    77 CPU seconds through the rest of a test session). The service starts a new pool on the restarted head."""
+    of drivers that died and the groups idle too long (``WarmPool.reap``). Once the pool is gone (dead, or
+    unanswered ``MISSES_BEFORE_LEAVING`` times in a row, ``retry_s`` apart) this process ends at once: its Ray head
+    died, and its job left this driver behind (orphaned: no job is left to stop it) with Ray's error-listening thread
+    spinning on the lost GCS connection, a third of a core or more for as long as the process lived (seen in
+    tests/chaos/test_owned_head.py, 77 CPU seconds through the rest of a test session). The service starts a new
+    pool on the restarted head."""
     misses = 0
     while True:
         time.sleep(retry_s if misses else every_s)

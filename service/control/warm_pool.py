@@ -52,7 +52,7 @@ class WarmHost:
         s = self.settings
         self.jobs.submit(
             entrypoint=f"{python_command()} -m service.cluster.warm_host --name {self.name} "
-            f"--workers {s.warm_workers} --max-idle {s.warm_max_idle_groups}",
+            f"--workers {s.warm_workers} --max-idle {s.warm_max_idle_groups} --idle-s {s.warm_idle_s:g}",
             submission_id=sid,
             metadata={"meshrun": "warm", "pool": self.name, "job_name": "meshrun warm worker pool"},
             runtime_env=job_runtime_env(s, job_id=sid, gcs_address=self.gcs_address, dashboard_url=self.dashboard_url),

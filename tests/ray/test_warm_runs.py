@@ -3,8 +3,9 @@ one group of worker processes in a Ray Job of its own, a run starts in it (no wo
 trains exactly what the same spec trains in a new Ray Train worker group (the same losses, bit for bit), its
 checkpoints are listed and on disk, the next run re-meshes the same processes, a worker killed mid-run fails only
 that attempt (the run restarts as a Ray Train worker group from its latest checkpoint and SUCCEEDS with every step
-once), a cancel stops the run's warm workers, and the group of a driver killed mid-run is taken back by the pool (its
-workers killed) while the run resumes. Stopping the service stops its pool's job."""
+once), a cancel stops the run's warm workers, the group of a driver killed mid-run is taken back by the pool (its
+workers killed) while the run resumes, and an idle group of another shape is stopped after ``MESHRUN_WARM_IDLE_S``
+while the standing group stays. Stopping the service stops its pool's job."""
 
 from __future__ import annotations
 
@@ -23,11 +24,13 @@ from tests.ray.test_runs import driver_pids, gone
 
 pytestmark = pytest.mark.ray
 STEPS = 400  # tiny steps take tens of ms: enough of them to kill a worker mid-run
+IDLE_S = 10  # the warm service's MESHRUN_WARM_IDLE_S (the pool looks every 15 s)
 
 
 @pytest.fixture(scope="module")
 def warm_service(ray_cluster, tmp_path_factory):
-    svc = start_live_service(ray_cluster=ray_cluster, data_dir=tmp_path_factory.mktemp("meshrun-warm"), warm_workers=2)
+    svc = start_live_service(ray_cluster=ray_cluster, data_dir=tmp_path_factory.mktemp("meshrun-warm"), warm_workers=2,
+                             warm_idle_s=IDLE_S)
     try:
         host = svc.runtime.warm
         assert host is not None and host.job_id, "the service did not start its warm pool's job"
@@ -140,3 +143,23 @@ def test_a_warm_run_whose_driver_is_killed_gives_its_group_back_and_resumes(warm
     steps = [r["step"] for r in metrics(url, run["id"])]
     assert steps == list(range(1, STEPS + 1)), steps
     assert done["attempts"] >= 2
+
+
+def test_an_idle_group_of_another_shape_is_stopped_and_the_standing_group_stays(warm_service) -> None:
+    """A one-worker run starts a group of its own shape; once idle for ``IDLE_S`` its worker process is stopped (it
+    held about 500 MB and took CPU while idle). The standing two-worker group, idle at least as long, stays: the next
+    dp2 run re-meshes it instead of starting one."""
+    url = warm_service.url
+    one = submit(url, tiny_spec("warm-one-worker", dp=1, steps=2))
+    wait_for(url, one["id"], {"SUCCEEDED"}, timeout_s=240)
+    assert any(e["kind"] == "phase" and e["reason"].startswith("starting warm worker group #")
+               for e in events(url, one["id"])), events(url, one["id"])
+    (pids,) = _placements(url, one["id"])
+    assert len(pids) == 1
+    # without the idle limit it would stay: the pool keeps two idle groups (MESHRUN_WARM_MAX_IDLE_GROUPS), this and
+    # the standing one
+    assert gone(pids, timeout_s=IDLE_S + 60) == [], "the idle one-worker group still runs"
+    two = submit(url, tiny_spec("warm-standing", dp=2, steps=2))
+    wait_for(url, two["id"], {"SUCCEEDED"}, timeout_s=240)
+    phases = [e["reason"] for e in events(url, two["id"]) if e["kind"] == "phase"]
+    assert any(p.startswith("re-meshing warm worker group #") for p in phases), phases
