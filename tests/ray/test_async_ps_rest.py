@@ -11,15 +11,17 @@ STEPS = 12
 
 def test_async_ps_run_survives_a_killed_worker(live_service) -> None:
     url = live_service.url
-    # the survivor is paced (1.5 s more per step, the math unchanged) so that its last updates come after the
-    # replacement's start, which takes seconds on a loaded machine (under load a run of 8 unpaced updates had ended
-    # before the replacement pushed once)
+    # the rank that dies is the paced one (1.5 s more per step, the math unchanged), and its peer is not: so the
+    # survivor always runs ahead, up to max_staleness updates past the last one the lost worker pushed, and the
+    # supervisor's remove_worker applies those without it however late it notices the death. (Pacing the survivor
+    # instead made the outcome a race: on a loaded machine the death was seen before the survivor had pushed past
+    # the dead worker's last step, so every update had both workers and the replacement rejoined at once.)
     spec = tiny_spec(
         "e2e-async-ps-kill",
         dp=2,
         steps=STEPS,
         layout={"sync": "async_ps", "max_staleness": 2},
-        faults={"kill_rank": {"rank": 1, "at_step": 3}, "slow_rank": {"rank": 0, "delay_s": 1.5}},
+        faults={"kill_rank": {"rank": 1, "at_step": 5}, "slow_rank": {"rank": 1, "delay_s": 1.5}},
         resources={"device": "cpu", "cpus_per_worker": 0.5, "max_failures": 1},
     )
     run = submit(url, spec)

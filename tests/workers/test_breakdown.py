@@ -105,10 +105,12 @@ def test_step_times_add_up_to_the_loop_wall_time(world2) -> None:
         res = world2[name]
         rows = res["rows"]
         total = sum(r["step_time_s"] for r in rows)
-        # every second of the loop is inside some step; outside are the set-up before the first step and the final
-        # report (a few ms, which a loaded machine stretches: the full suite once saw 5.7 ms of a 48.6 ms run)
+        # the steps are most of the loop (the check below says they tile it from the first step's end to the last's,
+        # with no gap): outside them are only the set-up before the first step and the final report. Those take a
+        # few ms on a quiet machine, but a loaded one stretches them (the full suite once saw 5.7 ms of a 48.6 ms
+        # run, two pytest workers 80 ms of a 0.25 s one), so the bound is a share of the wall time, not a few ms
         wall = res["summary"]["wall_time_s"]
-        assert wall - (0.1 * wall + 0.05) <= total <= wall, name
+        assert 0.5 * wall <= total <= wall, (name, total, wall)
         # two clocks agree: perf_counter periods vs the wall-clock end times of the steps
         assert sum(r["step_time_s"] for r in rows[1:]) == pytest.approx(rows[-1]["time"] - rows[0]["time"], abs=2e-3)
         for r in rows:
