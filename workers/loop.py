@@ -153,10 +153,12 @@ def measured_step(e: Engine, step: int, last_end: Any, ckpt_due: bool) -> Any:
     e.profiler.before_step(step)
     inst.tracker.begin_step(step, last_end, record=e.reporter.measure(step) or e.profiler.active(step))
     loss, grad_norm, lr, extra = train_step(e, step, sync_replicas=ckpt_due)
-    end = inst.tracker.clock.mark()
+    end, unix = inst.tracker.clock.mark(), time.time()  # the row's wall-clock time is the step's end, not the report's
     rec = inst.tracker.end_step(end)
     extra["cross_group_bytes"] = CROSS_GROUP.take()
-    e.reporter.add(step, end, loss=loss if e.loss_owner else 0.0, grad_norm=grad_norm, lr=lr, rec=rec, extra=extra)
+    e.reporter.add(
+        step, end, unix, loss=loss if e.loss_owner else 0.0, grad_norm=grad_norm, lr=lr, rec=rec, extra=extra
+    )
     inst.state.step_done(step)
     e.profiler.after_step(step, rec)
     return end

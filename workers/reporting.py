@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -124,6 +123,7 @@ class Reporter:
         self,
         step: int,
         end: Any,
+        unix: float,
         *,
         loss: Any,
         grad_norm: Any,
@@ -131,8 +131,9 @@ class Reporter:
         rec: StepRecord | None,
         extra: dict[str, Any] | None = None,
     ) -> None:
-        """``extra``: rank 0's own row keys of the step (cross-group bytes, replica divergence, staleness)."""
-        self.pending.append(_Local(step, end, time.time(), loss, grad_norm, lr, rec, dict(extra or {})))
+        """``end``: the step clock's end mark; ``unix``: the wall-clock time read with it (the row's ``time``).
+        ``extra``: rank 0's own row keys of the step (cross-group bytes, replica divergence, staleness)."""
+        self.pending.append(_Local(step, end, unix, loss, grad_norm, lr, rec, dict(extra or {})))
 
     def due(self, step: int, *, force: bool = False) -> bool:
         return force or step >= self.next_report or step >= self.last_step
