@@ -1,17 +1,20 @@
-"""Chaos on a service that owns its Ray head (issue 20): ``kill -9`` of the service during a run, then of the head.
+"""Chaos on a service that owns its Ray head (issue 20): ``kill -9`` of the service during a run, of a run's driver
+and of one Ray Train worker rank, then of the head.
 
-One service, one head, two checkpointing runs (tiny GPT, 2 CPUs, a slowed rank 0 so each run lasts long enough to
-be hit in the middle):
+One service, one head, checkpointing runs (tiny GPT, one rank each, 2 CPUs, a slowed rank 0 so each run lasts long
+enough to be hit in the middle). The phases share the service (each would otherwise pay a head's start and stop):
 
 1. kill -9 the service during run A and start it again on the same data directory and database: the head it
    recorded is adopted (the same pid and ports; no second head), run A's driver never stopped and the run ends
    SUCCEEDED with every step's metrics once and no row written after its attempt ended;
-2. kill -9 the head's process group during run B (after its first checkpoint): the service keeps answering,
+2. on the restarted service, kill -9 of run D's driver and of run W's rank 0 (``tests/chaos/run_kills.py``): both
+   runs resume from a checkpoint by themselves and SUCCEED with every step once, leaving no process behind;
+3. kill -9 the head's process group during run B (after its first checkpoint): the service keeps answering,
    ``/healthz`` says the cluster is down, the service starts the head again on the same GCS port and run B resumes
    from its latest checkpoint ("Ray head lost" event) and SUCCEEDS with every step's metrics once;
-3. a graceful stop of the service leaves no process of its head behind.
+4. a graceful stop of the service leaves no process of its head behind.
 
-After each run no placement group is left (all REMOVED).
+After each phase no placement group is left (all REMOVED).
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sqlite3
 import time
 from pathlib import Path
 
@@ -28,20 +30,17 @@ import pytest
 
 from service.cluster import ownership
 from tests.chaos.conftest import OwnedService, get_json
-from tests.ray.helpers import events, get_run, metrics, submit, tiny_spec, wait_for, wait_for_step
+from tests.chaos.run_kills import (
+    STEPS,
+    _every_step_once,
+    _rows_after_end,
+    _wait_checkpoint,
+    chaos_spec,
+    killed_driver_and_killed_worker_leave_no_loss_no_leak,
+)
+from tests.ray.helpers import events, submit, wait_for, wait_for_step
 
-STEPS = 30
 DOWN_TIMEOUT_S = 60.0
-
-
-def chaos_spec(name: str) -> dict:
-    return tiny_spec(
-        name,
-        steps=STEPS,
-        checkpoint={"every_steps": 5, "keep": 2},
-        resources={"max_failures": 2},
-        faults={"slow_rank": {"rank": 0, "delay_s": 0.25}},
-    )
 
 
 def _ray_heads_of(data_dir: Path) -> list[int]:
@@ -58,17 +57,6 @@ def _ray_heads_of(data_dir: Path) -> list[int]:
     return out
 
 
-def _rows_after_end(data_dir: Path, run_id: str) -> list[tuple]:
-    """Metric rows stored after their attempt or their run had ended."""
-    with sqlite3.connect(data_dir / "meshrun.db") as db:
-        return db.execute(
-            "SELECT m.attempt, m.step, m.time FROM metrics m JOIN run_attempts a "
-            "ON a.run_id = m.run_id AND a.attempt = m.attempt JOIN runs r ON r.id = m.run_id "
-            "WHERE m.run_id = ? AND (m.time > a.finished_at OR m.time > r.finished_at)",
-            (run_id,),
-        ).fetchall()
-
-
 def _no_database_url_in_the_job(svc: OwnedService, head: ownership.HeadRecord, job_id: str) -> None:
     """The job's details and logs, as Ray's Jobs API serves them to anyone with dashboard access, hold the path of
     the driver's credential file, never the database URL."""
@@ -80,18 +68,6 @@ def _no_database_url_in_the_job(svc: OwnedService, head: ownership.HeadRecord, j
     env = info["runtime_env"]["env_vars"]
     assert "MESHRUN_DATABASE_URL" not in env and env["MESHRUN_DATABASE_URL_FILE"].startswith(str(svc.data_dir))
     assert "sqlite:" not in json.dumps(info) and "sqlite:" not in logs
-
-
-def _every_step_once(url: str, run_id: str) -> None:
-    assert [r["step"] for r in metrics(url, run_id)] == list(range(1, STEPS + 1))
-
-
-def _wait_checkpoint(url: str, run_id: str, *, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not httpx.get(f"{url}/v1/runs/{run_id}/checkpoints", timeout=30).json()["items"]:
-        assert get_run(url, run_id)["status"] in ("QUEUED", "STARTING", "RUNNING")
-        assert time.monotonic() < deadline, "no checkpoint recorded"
-        time.sleep(0.5)
 
 
 def test_service_and_head_crashes_leave_one_head_and_finish_every_run(owned_service: OwnedService) -> None:
@@ -115,7 +91,10 @@ def test_service_and_head_crashes_leave_one_head_and_finish_every_run(owned_serv
     _no_database_url_in_the_job(svc, head, done["ray_job_id"])
     assert not (live := svc.live_placement_groups()), live  # run A's placement group went with its job
 
-    # ---- 2. kill -9 of the head during a checkpointing run: the service stays up, reports it, restarts it
+    # ---- 2. kill -9 of a run's driver and of another run's worker, on the service that adopted its head
+    killed_driver_and_killed_worker_leave_no_loss_no_leak(svc)
+
+    # ---- 3. kill -9 of the head during a checkpointing run: the service stays up, reports it, restarts it
     b = submit(svc.url, chaos_spec("chaos-head-kill"))
     _wait_checkpoint(svc.url, b["id"])
     os.killpg(head.pgid, signal.SIGKILL)
@@ -137,7 +116,7 @@ def test_service_and_head_crashes_leave_one_head_and_finish_every_run(owned_serv
     assert get_json(f"{svc.url}/healthz")[0] == 200
     assert not (live := svc.live_placement_groups()), live  # none of the resumed run B's left on the new head
 
-    # ---- 3. a graceful stop leaves nothing of the head behind
+    # ---- 4. a graceful stop leaves nothing of the head behind
     svc.stop()
     assert svc.head() is None and _ray_heads_of(svc.data_dir) == []
     left = ownership.group_members(new_head.pgid)

@@ -1,5 +1,6 @@
 """Chaos inside a run (issue 20): ``kill -9`` of a run's driver and of one Ray Train worker rank, during checkpointing
-runs on a service that owns its Ray head.
+runs on a service that owns its Ray head. A phase of ``tests/chaos/test_owned_head.py`` (on its service, after the
+service's own kill and restart), not a test of its own: a service of its own cost a head's start and stop.
 
 Two runs at once (tiny GPT, one rank each, a slowed rank 0, a checkpoint every 5 steps, ``max_failures=2``):
 
@@ -21,18 +22,50 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from tests.chaos.conftest import OwnedService
-from tests.chaos.test_owned_head import STEPS, _every_step_once, _rows_after_end, _wait_checkpoint, chaos_spec
-from tests.ray.helpers import events, submit, wait_for
+from tests.ray.helpers import events, get_run, metrics, submit, tiny_spec, wait_for
 from tests.ray.test_runs import driver_pids, gone
 
-pytestmark = pytest.mark.ray
+STEPS = 30
+
+
+def chaos_spec(name: str) -> dict:
+    return tiny_spec(
+        name,
+        steps=STEPS,
+        checkpoint={"every_steps": 5, "keep": 2},
+        resources={"max_failures": 2},
+        faults={"slow_rank": {"rank": 0, "delay_s": 0.25}},
+    )
+
+
+def _rows_after_end(data_dir: Path, run_id: str) -> list[tuple]:
+    """Metric rows stored after their attempt or their run had ended."""
+    with sqlite3.connect(data_dir / "meshrun.db") as db:
+        return db.execute(
+            "SELECT m.attempt, m.step, m.time FROM metrics m JOIN run_attempts a "
+            "ON a.run_id = m.run_id AND a.attempt = m.attempt JOIN runs r ON r.id = m.run_id "
+            "WHERE m.run_id = ? AND (m.time > a.finished_at OR m.time > r.finished_at)",
+            (run_id,),
+        ).fetchall()
+
+
+def _every_step_once(url: str, run_id: str) -> None:
+    assert [r["step"] for r in metrics(url, run_id)] == list(range(1, STEPS + 1))
+
+
+def _wait_checkpoint(url: str, run_id: str, *, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not httpx.get(f"{url}/v1/runs/{run_id}/checkpoints", timeout=30).json()["items"]:
+        assert get_run(url, run_id)["status"] in ("QUEUED", "STARTING", "RUNNING")
+        assert time.monotonic() < deadline, "no checkpoint recorded"
+        time.sleep(0.5)
 
 
 def _rank_pids(url: str, run_id: str) -> list[int]:
@@ -69,9 +102,7 @@ def _wait_event(url: str, run_id: str, kind: str, timeout_s: float = 300) -> str
     raise AssertionError(f"no {kind} event after {timeout_s}s: {events(url, run_id)}")
 
 
-def test_killed_driver_and_killed_worker_leave_no_loss_no_leak(owned_service: OwnedService) -> None:
-    svc = owned_service
-    svc.start()
+def killed_driver_and_killed_worker_leave_no_loss_no_leak(svc: OwnedService) -> None:
     d = submit(svc.url, chaos_spec("chaos-driver-kill"))
     w_spec = chaos_spec("chaos-worker-kill")
     w_spec["checkpoint"] = {**w_spec["checkpoint"], "async": True}  # written in the background, listed when complete
