@@ -344,7 +344,7 @@ class RayTestCluster:
     def remove_node(self, node: ExtraNode) -> None:
         from service.cluster.head import kill_process_group
 
-        kill_process_group(node.proc, timeout_s=20)
+        kill_process_group(node.proc)  # the service's grace (ownership.STOP_GRACE_S)
         _forget_pgid(node.proc.pid)
         if node in self.extra:
             self.extra.remove(node)

@@ -41,7 +41,7 @@ from typing import Any
 from service.cluster import ownership
 from service.cluster.capacity import CORES_RESOURCE
 from service.cluster.gcs_view import GcsView, gcs_port_answers
-from service.cluster.ownership import HeadLock, HeadOwnershipError, HeadRecord, kill_process_group
+from service.cluster.ownership import STOP_GRACE_S, HeadLock, HeadOwnershipError, HeadRecord, kill_process_group
 from service.meta import PROJECT_ROOT
 from service.settings import Settings
 
@@ -251,9 +251,9 @@ class RayCluster:
             raise RuntimeError("restart() needs an owned head")
         self._close_gcs()
         if self.record is not None:
-            ownership.stop_recorded(self.record, timeout_s=5.0)
+            ownership.stop_recorded(self.record)
         if self.proc is not None:
-            kill_process_group(self.proc, timeout_s=5.0)
+            kill_process_group(self.proc)
             self.proc = None
         ownership.clear_record(self.ray_dir)
         self.record = None
@@ -418,15 +418,16 @@ class RayCluster:
             time.sleep(0.5)
         raise TimeoutError(f"Ray head at {self.address} not ready after {timeout_s:.0f}s: {last}")
 
-    def stop(self, *, timeout_s: float = 15.0) -> None:
+    def stop(self, *, timeout_s: float = STOP_GRACE_S) -> None:
         """Stop the owned head (started or adopted): SIGTERM its leader, SIGKILL what is left of its process group
-        and session; forget its record and release the data directory. No-op for an existing cluster."""
+        and session after ``timeout_s``; forget its record and release the data directory. No-op for an existing
+        cluster."""
         self._close_gcs()
         self._stop_head(timeout_s=timeout_s)
         if self._head_lock is not None:
             self._head_lock.release()
 
-    def _stop_head(self, *, timeout_s: float = 15.0) -> None:
+    def _stop_head(self, *, timeout_s: float = STOP_GRACE_S) -> None:
         proc, self.proc = self.proc, None
         rec, self.record = self.record, None
         self.adopted = False

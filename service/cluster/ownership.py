@@ -28,6 +28,11 @@ from typing import IO
 logger = logging.getLogger(__name__)
 
 RECORD_NAME = "head.json"
+# How long a stopping head gets after SIGTERM before what is left is killed. Its GCS, raylet and dashboard stop in
+# about 2 s, but once a job has run, Ray's workers (idle ones, detached actors) wait about 30 s for their raylet
+# before they exit, and ``ray start --block`` waits for them (measured on Ray 2.60). Nothing of a local head's
+# state outlives it anyway (no external GCS storage), so the service does not wait that long.
+STOP_GRACE_S = 5.0
 LOCK_NAME = "head.lock"
 
 
@@ -177,7 +182,7 @@ def group_alive(pgid: int) -> bool:
     return bool(group_members(pgid))
 
 
-def stop_recorded(rec: HeadRecord, *, timeout_s: float = 15.0) -> None:
+def stop_recorded(rec: HeadRecord, *, timeout_s: float = STOP_GRACE_S) -> None:
     """Stop a head this service started before (its leader may be gone already): SIGTERM the leader, then
     SIGKILL its process group and every Ray process whose session directory is the head's."""
     if pid_alive(rec.pid) and is_ray_head(rec.pid):
@@ -219,10 +224,10 @@ def _session_processes(rec: HeadRecord) -> list[int]:
     return out
 
 
-def kill_process_group(proc: subprocess.Popen, *, timeout_s: float = 15.0) -> None:
+def kill_process_group(proc: subprocess.Popen, *, timeout_s: float = STOP_GRACE_S) -> None:
     """Stop the process tree led by ``proc`` (started with start_new_session): SIGTERM the leader (``ray start
-    --block`` then stops its children), wait, then SIGKILL what is left of its process group and of its
-    descendants (Ray workers run in process groups of their own)."""
+    --block`` then stops its children), wait up to ``timeout_s`` for the leader, its process group and its
+    descendants (Ray workers may run in process groups of their own) to exit, then SIGKILL what is left."""
     try:
         import psutil
         import ray  # noqa: F401 - ray vendors psutil (ray/thirdparty_files)
@@ -236,14 +241,15 @@ def kill_process_group(proc: subprocess.Popen, *, timeout_s: float = 15.0) -> No
         pgid = proc.pid
     try:
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        logger.warning("process %s did not stop within %.0fs; killing its group", proc.pid, timeout_s)
     except ProcessLookupError:
         pass
-    deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline and (group_alive(pgid) or any(_running(p) for p in descendants)):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and (
+        proc.poll() is None or group_alive(pgid) or any(_running(p) for p in descendants)
+    ):
         time.sleep(0.2)
+    if proc.poll() is None:
+        logger.info("process %s did not stop within %.0fs of SIGTERM; killing its group", proc.pid, timeout_s)
     try:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:

@@ -60,8 +60,9 @@ def _free_port(preferred: int | None = None) -> int:
         return s.getsockname()[1]
 
 
-def _kill_group(proc: subprocess.Popen, *, timeout_s: float = 15.0) -> None:
-    """SIGTERM the process group this test started (start_new_session=True), then SIGKILL what is left."""
+def _kill_group(proc: subprocess.Popen, *, timeout_s: float = 5.0) -> None:
+    """SIGTERM the process group this test started (start_new_session=True), then SIGKILL what is left (a Ray node's
+    workers wait about 30 s for their raylet after a SIGTERM: ``service.cluster.ownership.STOP_GRACE_S``)."""
     pgid = proc.pid
     for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
         try:

@@ -279,3 +279,31 @@ def test_without_keep_the_driver_deletes_no_checkpoint(factory, tmp_path):
                         + [{"type": "checkpoint", "attempt": 1, "step": 5 * (i + 1), "path": str(d)}
                            for i, d in enumerate(dirs)])
     assert all(d.exists() for d in dirs)
+
+
+def test_a_process_tree_that_ignores_sigterm_is_killed_after_the_grace():
+    """What stopping a head does once a job has run there: ``ray start --block`` waits about 30 s for its workers
+    after a SIGTERM. Here a leader that ignores SIGTERM and two children (one in a session of its own, as Ray's
+    workers can be) are all gone after the grace, not after the leader would have exited by itself."""
+    import subprocess
+    import time
+
+    import psutil
+
+    script = "trap '' TERM; sleep 300 & setsid sleep 300 & echo ready; wait"
+    proc = subprocess.Popen(["sh", "-c", script], start_new_session=True, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    time.sleep(0.3)  # both children forked
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert len(children) == 2, children
+    t0 = time.monotonic()
+    ownership.kill_process_group(proc, timeout_s=1.0)
+    took = time.monotonic() - t0
+    assert proc.poll() is not None  # the leader, which ignored SIGTERM, was killed
+    deadline = time.monotonic() + 10  # SIGKILL is delivered at once, but the state is read a moment later
+    while (left := [c.pid for c in children if ownership.pid_alive(c.pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left  # and both children, the one in a session of its own too
+    # one grace for the whole tree (1 s here), not the 300 s it would have lasted, nor a second wait after it
+    assert 0.9 <= took < 4.0, took
+    assert ownership.STOP_GRACE_S <= 10  # a service's stop does not wait out Ray's workers (about 30 s)
