@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import subprocess
+import time
 
 import pytest
 from sqlalchemy import select
@@ -285,14 +287,14 @@ def test_a_process_tree_that_ignores_sigterm_is_killed_after_the_grace():
     """What stopping a head does once a job has run there: ``ray start --block`` waits about 30 s for its workers
     after a SIGTERM. Here a leader that ignores SIGTERM and two children (one in a session of its own, as Ray's
     workers can be) are all gone after the grace, not after the leader would have exited by itself."""
-    import subprocess
-    import time
-
+    import ray  # noqa: F401 - ray vendors psutil (ray/thirdparty_files), as service.cluster.ownership uses it
     import psutil
 
     script = "trap '' TERM; sleep 300 & setsid sleep 300 & echo ready; wait"
     proc = subprocess.Popen(["sh", "-c", script], start_new_session=True, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    assert proc.stdout is not None
+    with proc.stdout:
+        assert proc.stdout.readline().strip() == "ready"
     time.sleep(0.3)  # both children forked
     children = psutil.Process(proc.pid).children(recursive=True)
     assert len(children) == 2, children
