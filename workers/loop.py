@@ -29,6 +29,7 @@ What each rank emits (see the modules for the formats):
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -91,6 +92,11 @@ def train(
         return train_job(job, hooks)
     finally:
         if created_pg and dist.is_initialized():
+            # torch's DeviceMesh keeps a root mesh and its sub-meshes in a reference cycle that holds the process
+            # group: collected first, the group's gloo threads are joined by destroy_process_group. Left to the
+            # interpreter's exit, they were still running there, and the standalone launcher once died of SIGABRT
+            # after its summary ("terminate called without an active exception")
+            gc.collect()
             dist.destroy_process_group()
 
 

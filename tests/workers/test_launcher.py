@@ -69,6 +69,26 @@ def test_launcher_writes_metrics_jsonl_and_checkpoints(tmp_path: Path) -> None:
     assert sorted(d.name for d in ck.iterdir()) == ["step_00000004"]  # keep=1 pruned step 2
 
 
+def test_the_process_groups_threads_are_joined_before_the_launcher_exits(tmp_path: Path) -> None:
+    """torch's DeviceMesh holds the process group in a reference cycle: unless the loop collects it, the group's gloo
+    threads still run when the interpreter exits (seen once as a SIGABRT after the launcher's summary)."""
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(tiny_spec(steps=2)))
+    probe = (
+        "import os, sys\n"
+        "from workers.__main__ import main\n"
+        f"rc = main(['--spec', {str(tmp_path / 'run.yaml')!r}, '--log-level', 'WARNING'])\n"
+        "names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')]\n"
+        "print('THREADS', rc, *sorted(names))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = next(x for x in p.stdout.splitlines() if x.startswith("THREADS"))
+    rc, *names = line.split()[1:]
+    assert rc == "0" and names and not [n for n in names if "gloo" in n], names
+
+
 @pytest.mark.slow
 def test_launcher_resume_replays_exactly(tmp_path: Path) -> None:
     spec = SPEC
