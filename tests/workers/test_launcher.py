@@ -74,7 +74,7 @@ def test_the_process_groups_threads_are_joined_before_the_launcher_exits(tmp_pat
     threads still run when the interpreter exits (seen once as a SIGABRT after the launcher's summary)."""
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(tiny_spec(steps=2)))
     probe = (
-        "import os, sys\n"
+        "import os\n"
         "from workers.__main__ import main\n"
         f"rc = main(['--spec', {str(tmp_path / 'run.yaml')!r}, '--log-level', 'WARNING'])\n"
         "names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')]\n"
