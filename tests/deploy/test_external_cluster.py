@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from service.cluster.head import ray_cli
+from service.cluster.ownership import STOP_GRACE_S
 from tests.service.pg import postgres_database
 from workers import ray_metrics
 
@@ -60,9 +61,9 @@ def _free_port(preferred: int | None = None) -> int:
         return s.getsockname()[1]
 
 
-def _kill_group(proc: subprocess.Popen, *, timeout_s: float = 5.0) -> None:
+def _kill_group(proc: subprocess.Popen, *, timeout_s: float = STOP_GRACE_S) -> None:
     """SIGTERM the process group this test started (start_new_session=True), then SIGKILL what is left (a Ray node's
-    workers wait about 30 s for their raylet after a SIGTERM: ``service.cluster.ownership.STOP_GRACE_S``)."""
+    workers wait about 30 s for their raylet after a SIGTERM: the service's grace, ``STOP_GRACE_S``)."""
     pgid = proc.pid
     for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
         try:
