@@ -19,6 +19,7 @@ the lane's test count and wall time.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import secrets
@@ -260,6 +261,46 @@ def _active_fixturedef(item: pytest.Item, name: str) -> Any:
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_XdistGroups(), "meshrun-xdist-groups")
     config.pluginmanager.register(_EarlyTeardown(), "meshrun-early-teardown")
+    # registered first, so it runs last: after every exit handler the tests' code registered
+    atexit.register(_report_threads_at_exit)
+
+
+def _report_threads_at_exit() -> None:
+    """One line on what is still running when the interpreter tears itself down, printed after every other exit
+    handler: the threads a crash there (see ``pytest_unconfigure``) would have met."""
+    import sys
+    import traceback
+
+    live = [t for t in threading.enumerate() if t is not threading.main_thread()]
+    native: dict[str, int] = {}
+    for task in Path("/proc/self/task").glob("*/comm"):
+        try:
+            name = task.read_text().strip()
+        except OSError:
+            continue
+        native[name] = native.get(name, 0) + 1
+    frames = sys._current_frames()
+
+    def where(t: threading.Thread) -> str:  # its class and the stack below threading.py's frames, innermost last
+        frame = frames.get(t.ident or -1)
+        stack = traceback.extract_stack(frame) if frame is not None else []
+        own = [f"{Path(f.filename).name}:{f.name}:{f.lineno}" for f in stack if not f.filename.endswith("threading.py")]
+        return f" {type(t).__name__} in {' > '.join(own[-4:]) or 'threading.py'}"
+
+    python = ", ".join(f"{t.name}{' (daemon)' if t.daemon else ''}{where(t)}" for t in live) or "none"
+    threads = ", ".join(f"{n} x{c}" if c > 1 else n for n, c in sorted(native.items()))
+    print(f"meshrun: at exit, Python threads: {python}; native threads: {threads}", file=sys.__stderr__, flush=True)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A traceback of every thread if the process crashes from here on: pytest's own fault handler ends with the
+    session (its ``pytest_unconfigure`` runs before this one), before the exit handlers and the interpreter's
+    teardown. CI's stop 53 passed every test and then died there with a segmentation fault and no word of where."""
+    import faulthandler
+    import sys
+
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
