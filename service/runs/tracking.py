@@ -63,6 +63,7 @@ class _Lane:
     dropped: int = 0
     thread: threading.Thread | None = None
     deadline: float | None = None  # set by close: give up on what is left after it
+    lost: bool = False  # close found items it could not send (logged once)
 
     def _past(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
@@ -196,9 +197,11 @@ class Trackers:
             lane.thread.join(max(0.0, deadline - time.monotonic()))
             if lane.thread.is_alive() or lane.queue:
                 done = False
-                logger.warning(
-                    "tracker %s: %d items not sent before the run's driver ended", lane.name, len(lane.queue)
-                )
+                if not lane.lost:  # a second close (the driver's exit handler after the caller's) says it once
+                    logger.warning(
+                        "tracker %s: %d items not sent before the run's driver ended", lane.name, len(lane.queue)
+                    )
+                lane.lost = True
         return done
 
 

@@ -104,6 +104,22 @@ def test_a_hanging_tracker_never_holds_the_caller_and_its_queue_is_bounded(monke
     release.set()
 
 
+def test_a_second_close_does_not_report_the_lost_items_again(caplog):
+    class Down(Sink):
+        name = "down"
+
+        def handle(self, item: Item) -> None:
+            raise ConnectionError("connection refused")
+
+    hub = Trackers({"down": Down}, on_event=lambda k, r: None)
+    hub.metrics(rows(3))
+    with caplog.at_level("WARNING", logger=tracking.__name__):
+        assert hub.close(0.2) is False
+        assert hub.close(0.2) is False  # track_run's exit handler, after the caller's own close
+    lost = [r.getMessage() for r in caplog.records if "not sent" in r.getMessage()]
+    assert lost == ["tracker down: 1 items not sent before the run's driver ended"]
+
+
 def test_a_tracker_that_cannot_start_is_one_event_and_nothing_else():
     events = []
 
