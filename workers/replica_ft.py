@@ -229,6 +229,8 @@ class ReplicaWorker:
         )
         if self.restored_step:
             self.manager.load_state_dict(self._restored_torchft)
+        if not self.rank:
+            announce(lighthouse, self.store)
         return {
             "rank": self.index * self.size + self.rank,
             "node_id": ray.get_runtime_context().get_node_id(),
@@ -444,6 +446,21 @@ class ReplicaWorker:
             self.manager.shutdown(wait=False)
         if self.shards is not None:
             self.shards.close()
+
+
+def announce(lighthouse: str, store: Any) -> None:
+    """One heartbeat of a replica to the lighthouse, answered before this returns: its worker 0 calls it at the end of
+    ``ready``, once its torchft Manager has written its full id (with its uuid) to the replica's ``store``.
+
+    The Manager's own heartbeats start on a background thread a moment later, and a quorum waits only for the
+    replicas the lighthouse has heard from. The driver starts every replica's ``run`` once all are ready; without
+    this, one replica's first quorum could form alone (CI's stop 53: replica 1 asked while the lighthouse had heard
+    only from it, committed step 1 alone, and replica 0 joined at step 2 by healing from it)."""
+    from torchft.coordination import LighthouseClient
+    from torchft.manager import REPLICA_ID_KEY
+
+    replica_id = store.get(REPLICA_ID_KEY).decode()
+    LighthouseClient(lighthouse, connect_timeout=timedelta(seconds=30)).heartbeat(replica_id)
 
 
 def timeouts(spec: RunSpec) -> tuple[float, int]:
