@@ -94,3 +94,46 @@ def test_a_serial_run_puts_the_shared_cluster_first_and_tears_each_session_fixtu
         "up browser", "run test_a_page", "run test_c_page", "down browser",
         "run test_e_plain",
     ], lines
+
+
+EXIT_PROBE = '''
+import atexit
+import ctypes
+import sys
+import threading
+
+from tests import conftest
+
+named = threading.Event()
+
+def ray_like(name):
+    ctypes.CDLL(None).prctl(15, name.encode(), 0, 0, 0)  # PR_SET_NAME: the thread's name in /proc, as Ray's C++ sets it
+    named.set()
+    threading.Event().wait()
+
+conftest._session["exitstatus"] = 3  # the session's (pytest_sessionfinish)
+if sys.argv[1] == "ray":
+    threading.Thread(target=ray_like, args=("gcs_client_io_s",), daemon=True).start()
+    named.wait(30)
+atexit.register(conftest._at_exit)
+sys.exit(0)
+'''
+
+
+def test_the_last_exit_handler_ends_a_process_with_ray_s_threads_with_the_session_s_status() -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    def run(mode: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", EXIT_PROBE, mode], cwd=ROOT, capture_output=True, text=True,
+                              timeout=60)
+
+    with_ray = run("ray")
+    assert with_ray.returncode == 3, with_ray.stderr  # the session's status, not the interpreter's 0
+    assert "native threads: " in with_ray.stderr and "gcs_client_io_s" in with_ray.stderr
+    assert "exiting with status 3 without the interpreter's teardown" in with_ray.stderr
+    without = run("plain")
+    assert without.returncode == 0, without.stderr  # no Ray thread: the interpreter's own exit
+    assert "without the interpreter's teardown" not in without.stderr
