@@ -454,8 +454,8 @@ def announce(lighthouse: str, store: Any) -> None:
 
     The Manager's own heartbeats start on a background thread a moment later, and a quorum waits only for the
     replicas the lighthouse has heard from. The driver starts every replica's ``run`` once all are ready; without
-    this, one replica's first quorum could form alone (CI's stop 53: replica 1 asked while the lighthouse had heard
-    only from it, committed step 1 alone, and replica 0 joined at step 2 by healing from it)."""
+    this, one replica's first quorum could form alone (seen in a fresh-clone run of the suite: replica 1 asked while
+    the lighthouse had heard only from it, committed step 1 alone, and replica 0 joined at step 2 by healing)."""
     from torchft.coordination import LighthouseClient
     from torchft.manager import REPLICA_ID_KEY
 
