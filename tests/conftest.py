@@ -304,7 +304,7 @@ def _at_exit() -> None:
     threads = ", ".join(f"{n} x{c}" if c > 1 else n for n, c in sorted(native.items()))
     print(f"meshrun: at exit, Python threads: {python}; native threads: {threads}", file=sys.__stderr__, flush=True)
     status = _session.get("exitstatus")
-    if status is None or _under_xdist_worker() or not RAY_NATIVE_THREADS & native.keys():
+    if status is None or not RAY_NATIVE_THREADS & native.keys():
         return
     print(f"meshrun: Ray's native threads outlive ray.shutdown(): exiting with status {status} without the "
           "interpreter's teardown", file=sys.__stderr__, flush=True)
@@ -331,11 +331,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    _session["exitstatus"] = int(exitstatus)  # what ``_at_exit`` ends the process with
-
-
-def _under_xdist_worker() -> bool:
-    return bool(os.environ.get("PYTEST_XDIST_WORKER"))
+    if not _under_xdist(session.config):  # an xdist worker's exit is xdist's business
+        _session["exitstatus"] = int(exitstatus)  # what ``_at_exit`` ends the process with
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
