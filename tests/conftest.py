@@ -35,6 +35,8 @@ from typing import Any
 
 import pytest
 
+from tests.background import BackgroundChecks
+
 ROOT = Path(__file__).resolve().parents[1]
 PGID_FILE = Path("/tmp/meshrun-test-ray.pgids")
 # Starlette's TestClient addresses the app as "testserver": allowed explicitly, like a deployment names its hosts
@@ -117,6 +119,7 @@ SLOW_UNIT_TESTS = (
     "tests/workers/test_launcher.py::test_bad_spec_exits_2_and_names_the_field",
     "tests/workers/test_launcher.py::test_world_size_mismatch_says_how_to_launch",
     "tests/workers/test_startup.py::test_a_run_without_pp_or_zero_imports_neither",
+    "tests/workers/test_startup.py::test_a_warm_worker_imports_neither_ray_train_nor_ray_data",
     "tests/workers/test_models.py::test_workers_import_torch_only",
     "tests/workers/test_compile.py::test_compile_wraps_every_block_in_place_and_keeps_parameter_names",
     "tests/workers/test_checkpoint.py::test_single_process_resume_is_exact_without_a_process_group",
@@ -261,6 +264,7 @@ def _active_fixturedef(item: pytest.Item, name: str) -> Any:
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_XdistGroups(), "meshrun-xdist-groups")
     config.pluginmanager.register(_EarlyTeardown(), "meshrun-early-teardown")
+    config.pluginmanager.register(BackgroundChecks(), "meshrun-background-checks")  # tests/background.py
     # registered first, so it runs last: after every exit handler the tests' code registered
     atexit.register(_at_exit)
 

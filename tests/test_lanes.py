@@ -137,3 +137,28 @@ def test_the_last_exit_handler_ends_a_process_with_ray_s_threads_with_the_sessio
     without = run("plain")
     assert without.returncode == 0, without.stderr  # no Ray thread: the interpreter's own exit
     assert "without the interpreter's teardown" not in without.stderr
+
+
+# ------------------------------------------------------------------------------------------- background checks
+import os  # noqa: E402
+import sys  # noqa: E402
+
+from tests import background  # noqa: E402
+
+
+def test_a_background_check_starts_at_the_lowest_priority_and_its_test_gets_its_result(monkeypatch) -> None:
+    probe = "import os, sys; print(os.nice(0)); sys.stderr.write('to stderr'); sys.exit(3)"
+    monkeypatch.setitem(background.COMMANDS, "probe", background.Command((sys.executable, "-c", probe), "tests/x.py::y"))
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    serial = SimpleNamespace(option=SimpleNamespace(numprocesses=None))
+    other = SimpleNamespace(items=[SimpleNamespace(nodeid="tests/x.py::z")], config=serial)
+    background.BackgroundChecks().pytest_collection_finish(other)  # type: ignore[arg-type]
+    assert "probe" not in background._started  # its test is not in the session
+    session = SimpleNamespace(items=[*other.items, SimpleNamespace(nodeid="tests/x.py::y")], config=serial)
+    background.BackgroundChecks().pytest_collection_finish(session)  # type: ignore[arg-type]
+    assert "probe" in background._started
+    r = background.result("probe")
+    assert (r.returncode, r.stdout.strip(), r.stderr) == (3, "19", "to stderr")  # nice 19: idle time only
+    # collected once; asked again (or never started: xdist, the test alone) the test runs it itself, at its priority
+    r = background.result("probe")
+    assert (r.returncode, r.stdout.strip()) == (3, str(os.nice(0)))
