@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import ray
-import ray.train
 import torch.distributed as dist
 
 from api.spec.metrics import PEAK_MEMORY_PER_RANK
@@ -144,6 +143,8 @@ def channel_hooks(channel: Any, attempt: int, rank: int, rows: RowSink | None, *
     ``checkpoint.memory_copy`` is on (each checkpoint's files also go to the channel, ``workers.memory_copy``)."""
 
     def on_checkpoint(step: int, path: str | None) -> None:
+        import ray.train
+
         if rows is not None:
             rows.flush()  # the rows up to the checkpoint first
         if not path:
@@ -179,6 +180,8 @@ def channel_hooks(channel: Any, attempt: int, rank: int, rows: RowSink | None, *
 def register_attempt(channel: Any, plan: Any) -> int:
     """Every rank all-gathers where it runs; the TP groups must each share a node; rank 0 registers the attempt
     with the channel (a split TP group as its cause) and everybody learns its number. Raises on a split group."""
+    import ray.train
+
     ctx = ray.train.get_context()
     me = {
         "rank": ctx.get_world_rank(),
@@ -200,6 +203,8 @@ def register_attempt(channel: Any, plan: Any) -> int:
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
+    import ray.train
+
     from api.spec import Plan, RunSpec
     from workers.loop import WorkerJob, train_job
 

@@ -51,9 +51,9 @@ ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "L
 @ray.remote(num_cpus=0)
 class WarmWorker:
     def __init__(self, threads: int = 1) -> None:
-        # the engine and the run channel's hooks (with ray.train), imported once per process: the warm part; with the
-        # parts of torch the engine imports only for some layouts (pipelining, ZeRO: 0.4 s and 0.2 s here), so that no
-        # job pays them
+        # the engine and the run channel's hooks, imported once per process: the warm part, with the parts of torch
+        # the engine imports only for some layouts (pipelining, ZeRO: 0.4 s and 0.2 s here), so that no job pays
+        # them; not ray.train (a warm job runs in no Ray Train session; tests/workers/test_startup.py)
         import torch
         import torch.distributed.optim
         import torch.distributed.pipelining

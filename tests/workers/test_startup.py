@@ -1,5 +1,6 @@
 """What a (re)starting worker pays before its first step: a run without pp or ZeRO does not import torch's
-pipelining or distributed optimizers, and the CPU peak-FLOP/s measurement (for MFU) is reused from a file."""
+pipelining or distributed optimizers, a warm worker does not import Ray Train (nor Ray Data and pandas with it), and
+the CPU peak-FLOP/s measurement (for MFU) is reused from a file."""
 
 from __future__ import annotations
 
@@ -47,6 +48,24 @@ def _run(tmp_path: Path, layout: dict, optimizer: dict | None = None) -> dict:
 def test_a_run_without_pp_or_zero_imports_neither(tmp_path) -> None:
     got = _run(tmp_path, {"dp": 1})
     assert got == {"rc": 0, "loaded": []}
+
+
+WARM_PROBE = """
+import sys
+from workers.warm import WarmWorker
+cls = WarmWorker.__ray_actor_class__  # the class under Ray's actor wrapper: its __init__ is the warm imports
+cls.__init__(cls.__new__(cls))
+print(sorted(m for m in ("ray.train", "ray.data", "pandas", "pyarrow") if m in sys.modules))
+"""
+
+
+def test_a_warm_worker_imports_neither_ray_train_nor_ray_data() -> None:
+    """A warm worker trains through ``workers.loop`` and the channel's hooks, never through a Ray Train session:
+    ``ray.train`` (with Ray Data, pandas and pyarrow: about 1 CPU second of every warm worker's start here) is
+    imported only by the Ray Train entry's functions."""
+    out = subprocess.run([sys.executable, "-c", WARM_PROBE], capture_output=True, text=True, cwd=ROOT, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
 
 
 def test_the_pipeline_schedules_are_patched_only_when_asked() -> None:
