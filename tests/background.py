@@ -3,8 +3,9 @@ background process as soon as a serial session has collected their test, at the 
 collects the command's result.
 
 A serial run starts with the shared Ray cluster's stretch, which keeps the two cores only about two thirds busy (the
-rest is waiting on Ray's process starts, paced runs and polls): the command takes that idle time, not the Ray tests'
-(``nice -n 19``), and its test, later in the run, finds it done instead of spending a minute on it. Under xdist, or
+rest is waiting on Ray's process starts, paced runs and polls): the command takes mostly that idle time (``nice -n
+19``: below the test process and Ray's workers, which Ray starts at 15), and its test, later in the run, finds it done
+instead of spending a minute on it. Under xdist, or
 when the test is not in the session, the test runs its command itself, as before.
 """
 
