@@ -5,8 +5,8 @@ collects the command's result.
 A serial run starts with the shared Ray cluster's stretch, which keeps the two cores only about two thirds busy (the
 rest is waiting on Ray's process starts, paced runs and polls): the command takes mostly that idle time (``nice -n
 19``: below the test process and Ray's workers, which Ray starts at 15), and its test, later in the run, finds it done
-instead of spending a minute on it. Under xdist, or
-when the test is not in the session, the test runs its command itself, as before.
+instead of spending a minute on it. Under xdist, or when the test is not in the session, the test runs its command
+itself, as before.
 """
 
 from __future__ import annotations

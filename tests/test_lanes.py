@@ -158,7 +158,7 @@ def test_a_background_check_starts_at_the_lowest_priority_and_its_test_gets_its_
     background.BackgroundChecks().pytest_collection_finish(session)  # type: ignore[arg-type]
     assert "probe" in background._started
     r = background.result("probe")
-    assert (r.returncode, r.stdout.strip(), r.stderr) == (3, "19", "to stderr")  # nice 19: idle time only
+    assert (r.returncode, r.stdout.strip(), r.stderr) == (3, "19", "to stderr")  # nice 19: the lowest priority
     # collected once; asked again (or never started: xdist, the test alone) the test runs it itself, at its priority
     r = background.result("probe")
     assert (r.returncode, r.stdout.strip()) == (3, str(os.nice(0)))
