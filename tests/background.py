@@ -11,7 +11,6 @@ itself, as before.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -91,12 +90,10 @@ def stop_all() -> None:
 
 
 class BackgroundChecks:
-    """The plugin (``tests/conftest.py`` registers it)."""
+    """The plugin (``tests/conftest.py`` registers it in a serial session only, not under xdist)."""
 
     @pytest.hookimpl(trylast=True)  # the final list: after ``-m``, ``-k`` and deselection
     def pytest_collection_finish(self, session: pytest.Session) -> None:
-        if os.environ.get("PYTEST_XDIST_WORKER") or getattr(session.config.option, "numprocesses", None):
-            return
         ids = {item.nodeid for item in session.items}
         for name, cmd in COMMANDS.items():
             if cmd.test in ids:

@@ -264,7 +264,8 @@ def _active_fixturedef(item: pytest.Item, name: str) -> Any:
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_XdistGroups(), "meshrun-xdist-groups")
     config.pluginmanager.register(_EarlyTeardown(), "meshrun-early-teardown")
-    config.pluginmanager.register(BackgroundChecks(), "meshrun-background-checks")  # tests/background.py
+    if not _under_xdist(config):  # a serial session: its checks start in the background (tests/background.py)
+        config.pluginmanager.register(BackgroundChecks(), "meshrun-background-checks")
     # registered first, so it runs last: after every exit handler the tests' code registered
     atexit.register(_at_exit)
 

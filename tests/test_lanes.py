@@ -149,12 +149,10 @@ from tests import background  # noqa: E402
 def test_a_background_check_starts_at_the_lowest_priority_and_its_test_gets_its_result(monkeypatch) -> None:
     probe = "import os, sys; print(os.nice(0)); sys.stderr.write('to stderr'); sys.exit(3)"
     monkeypatch.setitem(background.COMMANDS, "probe", background.Command((sys.executable, "-c", probe), "tests/x.py::y"))
-    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
-    serial = SimpleNamespace(option=SimpleNamespace(numprocesses=None))
-    other = SimpleNamespace(items=[SimpleNamespace(nodeid="tests/x.py::z")], config=serial)
+    other = SimpleNamespace(items=[SimpleNamespace(nodeid="tests/x.py::z")])
     background.BackgroundChecks().pytest_collection_finish(other)  # type: ignore[arg-type]
     assert "probe" not in background._started  # its test is not in the session
-    session = SimpleNamespace(items=[*other.items, SimpleNamespace(nodeid="tests/x.py::y")], config=serial)
+    session = SimpleNamespace(items=[*other.items, SimpleNamespace(nodeid="tests/x.py::y")])
     background.BackgroundChecks().pytest_collection_finish(session)  # type: ignore[arg-type]
     assert "probe" in background._started
     r = background.result("probe")
