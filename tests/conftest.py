@@ -12,9 +12,9 @@
 - ``pg_url`` lives in tests/api (PostgreSQL-specific tests).
 
 The quick lane: every test not marked ``ray``, ``browser``, ``slow`` or ``postgres`` and not using ``ray_cluster`` or
-``live_service`` (directly or through another fixture) is marked ``quick`` here, so ``python -m pytest -m quick``
-runs the unit and API tests that need no Ray cluster, no browser and no PostgreSQL. The terminal summary ends with
-the lane's test count and wall time.
+``live_service`` (directly or through another fixture) is marked ``quick`` here, so ``python -m pytest -m quick -n 2``
+runs the unit and API tests that need no Ray cluster, no browser and no PostgreSQL, on two xdist workers (they are
+independent of each other). The terminal summary ends with the lane's test count and wall time.
 """
 
 from __future__ import annotations
